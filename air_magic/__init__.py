@@ -1,0 +1,48 @@
+"""air_magic: run PyTorch training on every GPU of this machine from a notebook.
+
+Public surface (everything else is private and may change)::
+
+    from air_magic import distributed
+
+    @distributed()
+    def train(lr):
+        ...
+
+    results = train.distributed(lr=1e-3)   # one value per rank, in rank order
+
+Importing this package is cheap: it imports neither torch, IPython nor
+ipywidgets (rank processes import it too).
+"""
+
+from air_magic._version import __version__
+from air_magic.accelerators import AcceleratorType
+from air_magic.decorator import DistributedFunction, distributed
+from air_magic.errors import (
+    AcceleratorError,
+    AirMagicError,
+    ConfigurationError,
+    DirectCallError,
+    DistributedTimeoutError,
+    LaunchError,
+    PayloadError,
+    RankFailedError,
+    RemoteTraceback,
+)
+from air_magic.torch_helpers import init_process_group
+
+__all__ = [
+    "AcceleratorError",
+    "AcceleratorType",
+    "AirMagicError",
+    "ConfigurationError",
+    "DirectCallError",
+    "DistributedFunction",
+    "DistributedTimeoutError",
+    "LaunchError",
+    "PayloadError",
+    "RankFailedError",
+    "RemoteTraceback",
+    "__version__",
+    "distributed",
+    "init_process_group",
+]

@@ -1,0 +1,139 @@
+"""The ``@distributed`` decorator: the seed-compatible surface over the launcher.
+
+``@distributed`` / ``@distributed(...)`` wrap a function in a
+:class:`DistributedFunction`. ``fn.distributed(*args, **kwargs)`` binds the
+arguments against the signature, plans the accelerators, pickles the payload
+once, and hands a :class:`~air_magic.launcher.LaunchRequest` to the launcher;
+it returns every rank's return value in rank order or raises the first
+failing rank's error.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar, overload
+
+from air_magic.accelerators import AcceleratorType, plan_accelerators
+from air_magic.errors import DirectCallError
+from air_magic.events import Consumer, EventBus
+from air_magic.launcher import LaunchRequest, LocalLauncher
+from air_magic.payload import build_payload
+from air_magic.settings import _UNSET, LaunchSettings, make_settings
+from air_magic.text_display import TextDisplay
+
+R = TypeVar("R")
+
+
+class DistributedFunction(Generic[R]):
+    """A function that runs once per rank through ``.distributed(...)``."""
+
+    def __init__(self, func: Callable[..., R], settings: LaunchSettings):
+        if not callable(func):
+            raise TypeError(f"@distributed needs a function, got {func!r}")
+        self.func = func
+        self.settings = settings
+        self._signature = inspect.signature(func)
+        functools.update_wrapper(self, func)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        name = getattr(self.func, "__name__", "fn")
+        raise DirectCallError(
+            f"{name} is decorated with @distributed: call {name}.distributed(...) to run it on every rank, "
+            f"or {name}.func(...) to run it once here."
+        )
+
+    def __repr__(self) -> str:
+        return f"<distributed {getattr(self.func, '__qualname__', self.func)!r} {self.settings!r}>"
+
+    def with_overrides(self, **changes: Any) -> DistributedFunction[R]:
+        """A new wrapper around the same function with some settings changed."""
+        return DistributedFunction(self.func, make_settings(self.settings.raw, **changes))
+
+    def distributed(self, *args: Any, **kwargs: Any) -> list[R]:
+        """Run the function on every rank with these arguments; return each rank's result in rank order."""
+        bound = self._signature.bind(*args, **kwargs)  # a wrong call fails here, before anything starts
+        settings = self.settings
+        plan = plan_accelerators(settings.num_accelerators, settings.accelerator_type)
+        payload = build_payload(self.func, bound, settings.max_payload_bytes)
+        request = LaunchRequest(
+            name=getattr(self.func, "__qualname__", "function"),
+            payload=payload,
+            plan=plan,
+            timeout=settings.timeout,
+            env=dict(settings.env),
+            log_root=settings.log_dir,
+        )
+        return LocalLauncher().run(request, EventBus(_consumers(settings))).unwrap()
+
+
+def _consumers(settings: LaunchSettings) -> list[Consumer]:
+    if settings.display == "none":
+        return []
+    return [TextDisplay()]
+
+
+@overload
+def distributed(num_accelerators: Callable[..., R], /) -> DistributedFunction[R]: ...
+
+
+@overload
+def distributed(
+    num_accelerators: int | None = None,
+    accelerator_type: str | AcceleratorType | None = None,
+    timeout: float | None = ...,
+    *,
+    gpus: int | None = None,
+    gpu_type: str | None = None,
+    display: str = ...,
+    env: dict[str, str] | None = None,
+    log_dir: str | None = None,
+    max_payload_bytes: int = ...,
+) -> Callable[[Callable[..., R]], DistributedFunction[R]]: ...
+
+
+def distributed(
+    num_accelerators: Any = None,
+    accelerator_type: Any = None,
+    timeout: Any = _UNSET,
+    *,
+    gpus: Any = None,
+    gpu_type: Any = None,
+    display: Any = _UNSET,
+    env: Any = None,
+    log_dir: Any = None,
+    max_payload_bytes: Any = _UNSET,
+) -> Any:
+    """Decorate a training function to run once per GPU (or CPU rank) via ``fn.distributed(...)``.
+
+    ``@distributed`` and ``@distributed()`` both work. Settings:
+
+    - ``num_accelerators``: ranks to run; default every visible GPU (2 CPU ranks without a GPU).
+    - ``accelerator_type``: ``'GPU_<n>x<MODEL>'``, checked against the machine; default auto-detected.
+    - ``timeout``: seconds (default 10800); ``None`` disables it.
+    - ``gpus`` / ``gpu_type``: legacy names of the two above (FutureWarning).
+    - ``display``: ``'auto'``, ``'text'`` (rank-prefixed lines) or ``'none'``.
+    - ``env``: extra environment variables for every rank.
+    - ``log_dir``: where per-rank logs go (default ``~/.local/state/air_magic/runs``).
+    - ``max_payload_bytes``: the pickled function and arguments must fit (default 512 MiB).
+    """
+    if callable(num_accelerators) and not isinstance(num_accelerators, AcceleratorType):
+        # Bare @distributed: the function came as the first argument.
+        return DistributedFunction(num_accelerators, make_settings())
+    settings = make_settings(
+        num_accelerators=num_accelerators,
+        accelerator_type=accelerator_type,
+        timeout=timeout,
+        gpus=gpus,
+        gpu_type=gpu_type,
+        display=display,
+        env=env,
+        log_dir=log_dir,
+        max_payload_bytes=max_payload_bytes,
+    )
+
+    def decorate(func: Callable[..., R]) -> DistributedFunction[R]:
+        return DistributedFunction(func, settings)
+
+    return decorate

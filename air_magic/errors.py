@@ -1,0 +1,104 @@
+"""The one error tree of air_magic, and how a rank's failure becomes an exception.
+
+Every error the package raises on purpose is defined here::
+
+    AirMagicError
+    ├── ConfigurationError (also ValueError)   bad settings, caught before launch
+    │   └── AcceleratorError                   asked for GPUs the machine does not have
+    ├── PayloadError (also TypeError)          the function, arguments or result cannot travel
+    ├── DirectCallError (also TypeError)       ``fn(...)`` instead of ``fn.distributed(...)``
+    ├── LaunchError                            a rank process could not be started
+    ├── DistributedTimeoutError (also TimeoutError)
+    └── RankFailedError                        a rank died, or its exception cannot be rebuilt
+
+    RemoteTraceback                            carries a rank's traceback text as ``__cause__``
+
+When a rank raises, the caller re-raises the *original* exception type when it
+can be unpickled (loky's approach), with the rank's formatted traceback as its
+``__cause__`` so a notebook shows the rank's frames, and a note naming the rank.
+"""
+
+from __future__ import annotations
+
+
+class AirMagicError(Exception):
+    """Base class of every error air_magic raises on purpose."""
+
+
+class ConfigurationError(AirMagicError, ValueError):
+    """A setting is invalid; nothing was launched."""
+
+
+class AcceleratorError(ConfigurationError):
+    """The requested accelerators do not match what this machine has."""
+
+
+class PayloadError(AirMagicError, TypeError):
+    """The function, its arguments or a rank's result cannot be sent."""
+
+
+class DirectCallError(AirMagicError, TypeError):
+    """A decorated function was called directly instead of through ``.distributed()``."""
+
+
+class LaunchError(AirMagicError):
+    """A rank process could not be started."""
+
+
+class DistributedTimeoutError(AirMagicError, TimeoutError):
+    """The call ran past its ``timeout``; every rank was stopped."""
+
+    def __init__(self, message: str, *, still_running: list[int], log_dir: str | None = None):
+        super().__init__(message)
+        self.still_running = still_running
+        self.log_dir = log_dir
+
+
+class RankFailedError(AirMagicError):
+    """A rank failed in a way that has no rebuildable Python exception.
+
+    That is: it was killed by a signal, exited without a result, or raised an
+    exception whose type could not be sent back. ``rank``, ``exit_code`` and
+    ``log_dir`` say which, how and where to look.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int,
+        exit_code: int | None = None,
+        log_dir: str | None = None,
+        remote_traceback: str | None = None,
+    ):
+        super().__init__(message)
+        self.rank = rank
+        self.exit_code = exit_code
+        self.log_dir = log_dir
+        self.remote_traceback = remote_traceback
+
+
+class RemoteTraceback(Exception):
+    """The formatted traceback of a rank, attached as ``__cause__`` of the re-raised error."""
+
+    def __init__(self, text: str):
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self) -> str:
+        return "\n" + self.text
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """``BaseException.add_note`` on 3.11+, the same attribute by hand on 3.10."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+    else:  # pragma: no cover - Python 3.10
+        notes = getattr(exc, "__notes__", None)
+        if not isinstance(notes, list):
+            notes = []
+            try:
+                exc.__notes__ = notes  # type: ignore[attr-defined]
+            except AttributeError:
+                return
+        notes.append(note)

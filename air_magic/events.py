@@ -1,0 +1,100 @@
+"""Events a launch reports, and the bus that hands them to consumers.
+
+A backend (local processes now; warm start and Ray later) *produces* events;
+consumers (text display, widgets, log files, MLflow) *consume* them and never
+drive processes. A consumer that raises is detached with one warning, so a
+display bug can never hang or break a run.
+"""
+
+from __future__ import annotations
+
+import enum
+import sys
+import traceback
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class RankState(str, enum.Enum):
+    """A rank's life: STARTING -> RUNNING -> one of SUCCEEDED, FAILED, KILLED."""
+
+    STARTING = "starting"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    KILLED = "killed"
+
+
+@dataclass(frozen=True)
+class RunStarted:
+    run_id: str
+    world_size: int
+    backend: str
+    detected: str
+    cpu_mode: bool
+    log_dir: str
+    name: str
+
+
+@dataclass(frozen=True)
+class RankStarted:
+    rank: int
+    pid: int
+
+
+@dataclass(frozen=True)
+class RankOutput:
+    """Decoded text a rank wrote; ``stream`` is 'stdout' or 'stderr'. Not split into lines."""
+
+    rank: int
+    stream: str
+    text: str
+
+
+@dataclass(frozen=True)
+class RankExited:
+    rank: int
+    state: RankState
+    exit_code: int | None
+    reason: str
+
+
+@dataclass(frozen=True)
+class RunFinished:
+    """``outcome`` is 'succeeded', 'failed', 'timeout' or 'interrupted'."""
+
+    run_id: str
+    outcome: str
+    elapsed: float
+    log_dir: str
+    error: str | None = None
+
+
+Event = RunStarted | RankStarted | RankOutput | RankExited | RunFinished
+
+
+class Consumer(Protocol):
+    def handle(self, event: Event) -> None: ...
+
+
+class EventBus:
+    """Delivers each event to every consumer; isolates consumer failures."""
+
+    def __init__(self, consumers: list[Consumer] | None = None):
+        self._consumers: list[Consumer] = list(consumers or [])
+
+    def add(self, consumer: Consumer) -> None:
+        self._consumers.append(consumer)
+
+    def emit(self, event: Event) -> None:
+        for consumer in list(self._consumers):
+            try:
+                consumer.handle(event)
+            except Exception:  # noqa: BLE001 - a display must never break a run
+                self._consumers.remove(consumer)
+                print(
+                    f"air_magic: output consumer {type(consumer).__name__} failed and was detached; "
+                    "the run continues and every rank's log is still written:\n"
+                    + traceback.format_exc(),
+                    file=sys.__stderr__,
+                )

@@ -1,0 +1,117 @@
+"""Where a rank's failure becomes the exception the caller sees.
+
+The launcher collects one :class:`RankFailure` per failed rank; the earliest
+(by the machine-wide monotonic clock) is the root cause, not the secondary
+collective errors it set off in the other ranks. :func:`build_exception`
+turns it into the user's own exception type when that can be rebuilt, with
+the rank's traceback as ``__cause__``, or into a :class:`RankFailedError`.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass
+
+from air_magic import serialization
+from air_magic.errors import RankFailedError, RemoteTraceback, add_note
+from air_magic.wire import ErrorRecord
+
+# What a signal death most likely means, for the message.
+_SIGNAL_HINTS = {
+    signal.SIGKILL: "often the kernel's out-of-memory killer (check `dmesg` or `journalctl -k`), "
+    "or someone ran `kill -9`",
+    signal.SIGSEGV: "a crash in native code (a C/C++/CUDA extension); faulthandler wrote the rank's "
+    "Python stack to its log",
+    signal.SIGABRT: "an abort in native code (a failed C++ assertion, NCCL or CUDA error); see the log",
+    signal.SIGBUS: "often a full /dev/shm (shared memory for DataLoader workers)",
+    signal.SIGTERM: "something outside air_magic asked it to stop",
+    signal.SIGINT: "an interrupt sent to the rank itself",
+}
+
+
+@dataclass
+class RankFailure:
+    """One failed rank. ``time`` orders failures; ``record`` is set when the rank reported itself."""
+
+    rank: int
+    time: float
+    exit_code: int | None
+    record: ErrorRecord | None
+
+
+def root_cause(failures: list[RankFailure]) -> RankFailure:
+    return min(failures, key=lambda f: (f.time, f.rank))
+
+
+def build_exception(
+    failure: RankFailure, *, world_size: int, log_path: str, last_lines: list[str]
+) -> BaseException:
+    rank = failure.rank
+    where = f"rank {rank} of {world_size}"
+    record = failure.record
+    if record is not None:
+        header = f"Traceback from {where} (full log: {log_path}):\n"
+        cause = RemoteTraceback(header + record.traceback.rstrip("\n"))
+        exc = _rebuild(record)
+        # SystemExit or KeyboardInterrupt from a rank must not end the caller: wrap those.
+        if isinstance(exc, Exception):
+            add_note(exc, f"[air_magic] raised on {where}; full log: {log_path}")
+            _tag(exc, rank)
+            exc.__cause__ = cause
+            return exc
+        stage = {"load": " while loading the function and its arguments", "result": ""}.get(record.stage, "")
+        err = RankFailedError(
+            f"{where} raised {record.type_name}: {record.message}{stage}. "
+            "(The exception itself could not be sent back, so its text is shown instead.)",
+            rank=rank,
+            exit_code=failure.exit_code,
+            log_dir=log_path,
+            remote_traceback=record.traceback,
+        )
+        err.__cause__ = cause
+        return err
+    return RankFailedError(
+        _death_message(where, failure.exit_code, log_path, last_lines),
+        rank=rank,
+        exit_code=failure.exit_code,
+        log_dir=log_path,
+    )
+
+
+def _rebuild(record: ErrorRecord) -> BaseException | None:
+    if record.exception is None:
+        return None
+    try:
+        exc = serialization.loads(record.exception)
+    except Exception:  # noqa: BLE001 - e.g. the class exists only in the rank
+        return None
+    return exc if isinstance(exc, BaseException) else None
+
+
+def _tag(exc: BaseException, rank: int) -> None:
+    try:
+        exc.air_magic_rank = rank  # type: ignore[attr-defined]
+    except (AttributeError, TypeError):
+        pass
+
+
+def _death_message(where: str, code: int | None, log_path: str, last_lines: list[str]) -> str:
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        hint = _SIGNAL_HINTS.get(-code)  # type: ignore[call-overload]
+        what = f"{where} was killed by {name}" + (f": {hint}" if hint else "")
+    elif code == 0:
+        what = (
+            f"{where} exited with status 0 without returning a result "
+            "(did something call os._exit(0), or end the interpreter from a thread?)"
+        )
+    else:
+        what = (
+            f"{where} exited with status {code} without returning a result "
+            "(sys.exit() or os._exit() in the function or a library, or a crash before it started)"
+        )
+    tail = "\n".join(f"    {line}" for line in last_lines) if last_lines else "    (it printed nothing)"
+    return f"{what}.\n  Last lines it printed:\n{tail}\n  Full log: {log_path}"

@@ -1,0 +1,393 @@
+"""Where ranks are started and watched: the local launcher backend.
+
+The flow of one call, top to bottom::
+
+    surface (decorator; later the cell magic and CLI)
+      -> LaunchRequest: the pickled payload, the accelerator plan, the settings
+      -> LocalLauncher.run(request, bus)
+           1. private run directory (0700): launch.json + payload.pkl, written once
+           2. rendezvous store on 127.0.0.1, port chosen by the kernel (rendezvous.py)
+           3. one fresh ``sys.executable`` per rank, each leading its own process
+              group, stdout/stderr on pipes, the lifeline pipe's read end inherited
+           4. one loop waits on everything at once: output pipes, a pidfd per rank,
+              and the deadline; output goes to OutputRouter (logs, events, tails)
+           5. the first failure, the timeout or an interrupt stops every rank's tree
+              (process_tree.py); failures.py builds the error from the earliest failure
+           6. results are read in rank order; the run directory is removed
+      -> events (RunStarted, RankStarted, RankOutput, RankExited, RunFinished)
+         flow to consumers (text display now; widgets and MLflow later), which
+         never drive processes.
+
+Inside a rank, see rank_entry.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import selectors
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from air_magic import rank_entry, serialization, wire
+from air_magic.accelerators import AcceleratorPlan
+from air_magic.errors import DistributedTimeoutError, LaunchError, PayloadError
+from air_magic.events import EventBus, RankExited, RankStarted, RankState, RunFinished, RunStarted
+from air_magic.failures import RankFailure, build_exception, root_cause
+from air_magic.output import OutputRouter, make_log_dir
+from air_magic.process_tree import DEFAULT_GRACE_S, stop_trees
+from air_magic.rank_env import rank_environment
+from air_magic.rendezvous import RendezvousStore
+
+INTERRUPT_GRACE_S = 1.0
+_DRAIN_S = 2.0
+_READ_SIZE = 1 << 16
+
+
+@dataclass(frozen=True)
+class LaunchRequest:
+    """Everything a backend needs to run one call."""
+
+    name: str  # the function's (or cell's) name, for display and logs
+    payload: bytes  # cloudpickle of (fn, args, kwargs)
+    plan: AcceleratorPlan
+    timeout: float | None
+    env: dict[str, str] = field(default_factory=dict)
+    log_root: str | None = None
+    grace_s: float = DEFAULT_GRACE_S
+
+
+@dataclass
+class RunResult:
+    """How a run ended: every rank's value in rank order, or the error to raise."""
+
+    run_id: str
+    log_dir: str
+    values: list[Any] | None = None
+    error: BaseException | None = None
+
+    def unwrap(self) -> list[Any]:
+        if self.error is not None:
+            # Raised here, the traceback starts at the caller's line, not inside the launcher.
+            raise self.error
+        assert self.values is not None
+        return self.values
+
+
+def new_run_id() -> str:
+    # Timestamp first, so log folders sort by age.
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
+
+
+class LocalLauncher:
+    """Runs every rank as a fresh local process of the caller's interpreter."""
+
+    def run(self, request: LaunchRequest, bus: EventBus) -> RunResult:
+        run_id = new_run_id()
+        log_dir = make_log_dir(request.log_root, run_id)
+        run_dir = tempfile.mkdtemp(prefix=f"air_magic-{run_id}-")  # mode 0700
+        try:
+            _write_run_files(run_dir, request.payload)
+            store = RendezvousStore(request.plan.world_size)
+            try:
+                return _Run(request, bus, run_id, run_dir, log_dir, store.port).execute()
+            finally:
+                store.close()
+        finally:
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _write_run_files(run_dir: str, payload: bytes) -> None:
+    launch = {"sys_path": [p for p in sys.path], "argv": list(sys.argv) or [""]}
+    wire.write_atomically(os.path.join(run_dir, wire.LAUNCH_FILE), json.dumps(launch).encode())
+    wire.write_atomically(os.path.join(run_dir, wire.PAYLOAD_FILE), payload)
+
+
+class _RankProcess:
+    def __init__(self, rank: int, proc: subprocess.Popen[bytes]):
+        self.rank = rank
+        self.proc = proc
+        self.pidfd: int | None = None
+        try:
+            self.pidfd = os.pidfd_open(proc.pid)
+        except (AttributeError, OSError):  # old kernel: the loop polls instead
+            self.pidfd = None
+        self.exit_code: int | None = None
+        self.exited_at: float | None = None  # the loop's last time it saw the rank alive
+        self.state = RankState.STARTING
+
+
+class _Run:
+    """One call's ranks, from start to the last reaped process."""
+
+    def __init__(
+        self, request: LaunchRequest, bus: EventBus, run_id: str, run_dir: str, log_dir: str, port: int
+    ):
+        self.request = request
+        self.bus = bus
+        self.run_id = run_id
+        self.run_dir = run_dir
+        self.log_dir = log_dir
+        self.port = port
+        self.world = request.plan.world_size
+        self.ranks: list[_RankProcess] = []
+        self.router = OutputRouter(log_dir, self.world, bus)
+        self.selector = selectors.DefaultSelector()
+        self.started = time.monotonic()
+
+    # -- the whole call ----------------------------------------------------------------
+
+    def execute(self) -> RunResult:
+        plan = self.request.plan
+        self.bus.emit(
+            RunStarted(
+                run_id=self.run_id,
+                world_size=self.world,
+                backend=plan.backend,
+                detected=plan.detected,
+                cpu_mode=plan.cpu_mode,
+                log_dir=self.log_dir,
+                name=self.request.name,
+            )
+        )
+        lifeline_r, lifeline_w = os.pipe()
+        outcome = "failed"
+        error: BaseException | None = None
+        try:
+            try:
+                self._start_ranks(lifeline_r)
+            finally:
+                os.close(lifeline_r)
+            outcome = self._watch()
+            if outcome == "succeeded":
+                try:
+                    return RunResult(self.run_id, self.log_dir, values=self._results())
+                except PayloadError as exc:
+                    outcome, error = "failed", exc
+            else:
+                error = self._error(outcome)
+            return RunResult(self.run_id, self.log_dir, error=error)
+        except KeyboardInterrupt:
+            outcome = "interrupted"
+            self._stop(INTERRUPT_GRACE_S)
+            raise
+        finally:
+            self._stop(self.request.grace_s)  # no-op when every rank is already reaped
+            self._drain()
+            self.router.close()
+            self.selector.close()
+            os.close(lifeline_w)  # last: ranks die with the lifeline if anything above failed
+            for r in self.ranks:
+                if r.pidfd is not None:
+                    os.close(r.pidfd)
+            self.bus.emit(
+                RunFinished(
+                    run_id=self.run_id,
+                    outcome=outcome,
+                    elapsed=time.monotonic() - self.started,
+                    log_dir=self.log_dir,
+                    error=None if error is None else f"{type(error).__name__}: {error}",
+                )
+            )
+
+    # -- starting ----------------------------------------------------------------------
+
+    def _start_ranks(self, lifeline_r: int) -> None:
+        cwd = os.getcwd()
+        for rank in range(self.world):
+            env = rank_environment(
+                rank=rank,
+                plan=self.request.plan,
+                port=self.port,
+                run_id=self.run_id,
+                run_dir=self.run_dir,
+                log_dir=self.log_dir,
+                lifeline_fd=lifeline_r,
+                extra=self.request.env,
+            )
+            try:
+                proc = subprocess.Popen(
+                    [sys.executable, "-c", rank_entry.BOOTSTRAP, self.run_dir],
+                    cwd=cwd,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    pass_fds=(lifeline_r,),
+                    start_new_session=True,  # its own process group: teardown reaches its children
+                )
+            except OSError as exc:
+                raise LaunchError(f"could not start rank {rank} with {sys.executable}: {exc}") from exc
+            ranked = _RankProcess(rank, proc)
+            self.ranks.append(ranked)
+            for stream, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr)):
+                assert pipe is not None
+                os.set_blocking(pipe.fileno(), False)
+                self.selector.register(pipe, selectors.EVENT_READ, (ranked, stream))
+            if ranked.pidfd is not None:
+                self.selector.register(ranked.pidfd, selectors.EVENT_READ, (ranked, None))
+            ranked.state = RankState.RUNNING
+            self.bus.emit(RankStarted(rank=rank, pid=proc.pid))
+
+    # -- the one loop ------------------------------------------------------------------
+
+    def _watch(self) -> str:
+        """Wait for every rank; return 'succeeded', 'failed' or 'timeout' with ranks still alive or reaped."""
+        timeout = self.request.timeout
+        deadline = None if timeout is None else self.started + timeout
+        poll_s = 0.5 if all(r.pidfd is not None for r in self.ranks) else 0.1
+        seen_alive = time.monotonic()  # every rank was alive when this was last taken
+        while True:
+            now = time.monotonic()
+            for r in self.ranks:
+                if r.exit_code is None and r.proc.poll() is not None:
+                    self._exited(r, seen_alive)
+            seen_alive = now
+            if any(r.state is RankState.FAILED for r in self.ranks):
+                return "failed"
+            if all(r.exit_code is not None for r in self.ranks):
+                return "succeeded"
+            wait = poll_s
+            if deadline is not None:
+                wait = min(wait, deadline - now)
+                if wait <= 0:
+                    return "timeout"
+            for key, _ in self.selector.select(wait):
+                ranked, stream = key.data
+                if stream is not None:
+                    self._read(key.fileobj, ranked, stream)  # type: ignore[arg-type]
+                # A readable pidfd needs nothing here: the poll at the top reaps it.
+
+    def _read(self, pipe: Any, ranked: _RankProcess, stream: str) -> bool:
+        try:
+            data = os.read(pipe.fileno(), _READ_SIZE)
+        except BlockingIOError:
+            return True
+        if not data:
+            self.selector.unregister(pipe)
+            pipe.close()
+            return False
+        self.router.feed(ranked.rank, stream, data)
+        return True
+
+    def _exited(self, r: _RankProcess, last_seen_alive: float) -> None:
+        r.exit_code = r.proc.returncode
+        r.exited_at = last_seen_alive
+        if r.pidfd is not None:
+            self.selector.unregister(r.pidfd)
+        ok = r.exit_code == 0 and os.path.exists(wire.result_path(self.run_dir, r.rank))
+        r.state = RankState.SUCCEEDED if ok else RankState.FAILED
+        self.bus.emit(
+            RankExited(rank=r.rank, state=r.state, exit_code=r.exit_code, reason=_exit_reason(r.exit_code, ok))
+        )
+
+    # -- stopping ----------------------------------------------------------------------
+
+    def _stop(self, grace_s: float) -> None:
+        procs = [r.proc for r in self.ranks]
+        if not procs:
+            return
+        try:
+            stop_trees(procs, grace_s)
+        except KeyboardInterrupt:  # a second interrupt: no more grace
+            stop_trees(procs, 0)
+            raise
+        finally:
+            for r in self.ranks:
+                if r.exit_code is None:
+                    r.exit_code = r.proc.returncode
+                    r.state = RankState.KILLED
+                    self.bus.emit(
+                        RankExited(rank=r.rank, state=r.state, exit_code=r.exit_code, reason="stopped by air_magic")
+                    )
+
+    def _drain(self) -> None:
+        """Read what is left in the pipes after the ranks are gone, for at most _DRAIN_S."""
+        end = time.monotonic() + _DRAIN_S
+        while self.selector.get_map() and time.monotonic() < end:
+            pipes = [k for k in self.selector.get_map().values() if k.data[1] is not None]
+            if not pipes:
+                break
+            for key, _ in self.selector.select(max(0.0, end - time.monotonic())):
+                ranked, stream = key.data
+                if stream is not None:
+                    while self._read(key.fileobj, ranked, stream):
+                        pass
+        for key in list(self.selector.get_map().values()):
+            self.selector.unregister(key.fileobj)
+            if key.data[1] is not None:
+                key.fileobj.close()  # type: ignore[union-attr]
+
+    # -- outcomes ----------------------------------------------------------------------
+
+    def _results(self) -> list[Any]:
+        results = []
+        for r in self.ranks:
+            data = wire.read_bytes(wire.result_path(self.run_dir, r.rank))
+            assert data is not None  # checked when the rank exited
+            try:
+                results.append(serialization.loads(data))
+            except Exception as exc:  # noqa: BLE001
+                raise PayloadError(f"rank {r.rank}'s return value could not be loaded here: {exc}") from exc
+        return results
+
+    def _error(self, outcome: str) -> BaseException:
+        if outcome == "timeout":
+            running = [r for r in self.ranks if r.exit_code is None]
+            self._stop(self.request.grace_s)
+            self._drain()
+            lines = []
+            for r in running:
+                tail = self.router.tails[r.rank].last(5)
+                shown = "\n".join(f"      {line}" for line in tail) if tail else "      (nothing printed)"
+                lines.append(f"  rank {r.rank} was still running; its last lines:\n{shown}")
+            return DistributedTimeoutError(
+                f"timed out after {self.request.timeout:g} s (timeout=); every rank was stopped.\n"
+                + "\n".join(lines)
+                + f"\n  Logs: {self.log_dir}",
+                still_running=[r.rank for r in running],
+                log_dir=self.log_dir,
+            )
+        first_failure_at = min(r.exited_at for r in self.ranks if r.state is RankState.FAILED)  # type: ignore[type-var]
+        self._stop(self.request.grace_s)
+        self._drain()
+        failure = root_cause(self._failures(first_failure_at))
+        return build_exception(
+            failure,
+            world_size=self.world,
+            log_path=self.router.log_path(failure.rank),
+            last_lines=self.router.tails[failure.rank].last(10),
+        )
+
+    def _failures(self, teardown_at: float) -> list[RankFailure]:
+        """Every rank that failed on its own: it reported an error, or died before teardown began."""
+        failures = []
+        for r in self.ranks:
+            data = wire.read_bytes(wire.error_path(self.run_dir, r.rank))
+            if data is not None:
+                record = serialization.loads(data)
+                failures.append(RankFailure(r.rank, record.time, r.exit_code, record))
+            elif r.state is RankState.FAILED and r.exited_at is not None and r.exited_at <= teardown_at:
+                failures.append(RankFailure(r.rank, r.exited_at, r.exit_code, None))
+        return failures
+
+
+def _exit_reason(code: int | None, ok: bool) -> str:
+    if ok:
+        return "returned"
+    if code is not None and code < 0:
+        import signal
+
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    if code == 1:
+        return "raised an exception"
+    return f"exited with status {code} without a result"

@@ -1,0 +1,123 @@
+"""Where rank output goes: per-rank log files, live events, and a tail for error messages.
+
+Each rank's stdout and stderr are pipes (file-descriptor level, so C
+``printf`` and NCCL's messages are caught too). The launcher's loop reads
+them and hands each chunk to :class:`OutputRouter`, which
+
+1. appends the raw bytes to ``<log_dir>/rank-<N>.log`` (both streams, in the
+   order they arrived), so the full log survives whatever the display does;
+2. emits a :class:`~air_magic.events.RankOutput` event with the decoded text;
+3. keeps the last lines of each rank for timeout and failure messages.
+
+Log directories default to ``$XDG_STATE_HOME/air_magic/runs`` (usually
+``~/.local/state/air_magic/runs``), one private folder per run; the newest
+:data:`KEEP_RUNS` are kept there.
+"""
+
+from __future__ import annotations
+
+import codecs
+import collections
+import os
+import shutil
+
+from air_magic.events import EventBus, RankOutput
+
+KEEP_RUNS = 100
+TAIL_LINES = 20
+_MAX_PARTIAL = 64 * 1024  # a line longer than this is cut for the tail, not for the log
+
+
+def default_log_root() -> str:
+    env = os.environ.get("AIR_MAGIC_LOG_DIR")
+    if env:
+        return env
+    state = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(state, "air_magic", "runs")
+
+
+def make_log_dir(root: str | None, run_id: str) -> str:
+    """Create the run's private log folder (0700); prune old runs under the default root."""
+    base = root or default_log_root()
+    os.makedirs(base, mode=0o700, exist_ok=True)
+    path = os.path.join(base, run_id)
+    os.mkdir(path, mode=0o700)
+    if root is None:
+        _prune(base)
+    return path
+
+
+def _prune(base: str) -> None:
+    try:
+        runs = [e for e in os.scandir(base) if e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return
+    # Run ids start with a timestamp, so name order is age order.
+    for entry in sorted(runs, key=lambda e: e.name)[:-KEEP_RUNS]:
+        shutil.rmtree(entry.path, ignore_errors=True)
+
+
+class RankTail:
+    """The last lines a rank printed, with carriage-return redraws collapsed."""
+
+    def __init__(self) -> None:
+        self.lines: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self._partial = ""
+
+    def add(self, text: str) -> None:
+        text = self._partial + text
+        *complete, self._partial = text.split("\n")
+        for line in complete[-TAIL_LINES:]:
+            self.lines.append(line.rsplit("\r", 1)[-1])
+        if len(self._partial) > _MAX_PARTIAL:
+            self.lines.append(self._partial[-_MAX_PARTIAL:].rsplit("\r", 1)[-1])
+            self._partial = ""
+
+    def last(self, n: int = 5) -> list[str]:
+        lines = list(self.lines)
+        if self._partial.strip():
+            lines.append(self._partial.rsplit("\r", 1)[-1])
+        return lines[-n:]
+
+
+class OutputRouter:
+    """Receives raw chunks from rank pipes; writes logs, emits events, keeps tails."""
+
+    def __init__(self, log_dir: str, world_size: int, bus: EventBus):
+        self.log_dir = log_dir
+        self._bus = bus
+        self._log_fds = [
+            os.open(self.log_path(r), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600) for r in range(world_size)
+        ]
+        self._decoders = {
+            (r, s): codecs.getincrementaldecoder("utf-8")("replace")
+            for r in range(world_size)
+            for s in ("stdout", "stderr")
+        }
+        self.tails = [RankTail() for _ in range(world_size)]
+
+    def log_path(self, rank: int) -> str:
+        return os.path.join(self.log_dir, f"rank-{rank}.log")
+
+    def feed(self, rank: int, stream: str, data: bytes) -> None:
+        _write_all(self._log_fds[rank], data)
+        text = self._decoders[(rank, stream)].decode(data)
+        if text:
+            self.tails[rank].add(text)
+            self._bus.emit(RankOutput(rank=rank, stream=stream, text=text))
+
+    def close(self) -> None:
+        for (rank, stream), decoder in self._decoders.items():
+            rest = decoder.decode(b"", final=True)
+            if rest:
+                self.tails[rank].add(rest)
+                self._bus.emit(RankOutput(rank=rank, stream=stream, text=rest))
+        for fd in self._log_fds:
+            os.close(fd)
+        self._log_fds = []
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]

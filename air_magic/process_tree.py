@@ -1,0 +1,71 @@
+"""Stopping ranks for good: SIGTERM, a short grace, then SIGKILL of whole process trees.
+
+Every rank leads its own process group (``start_new_session``), so a signal
+to the group reaches the rank and everything it forked (DataLoader workers,
+compilers). Descendants that left the group (``setsid``) are found with
+psutil *before* signalling, while they are still linked to the rank. The
+final SIGKILL to every group is sent even after a clean exit, so nothing a
+rank left behind outlives the call.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterable
+
+import psutil
+
+DEFAULT_GRACE_S = 3.0
+
+
+def stop_trees(procs: list[subprocess.Popen[bytes]], grace_s: float = DEFAULT_GRACE_S) -> None:
+    """Stop every rank in ``procs`` and all of its descendants; reap the ranks.
+
+    ``grace_s`` is how long ranks get after SIGTERM before SIGKILL; 0 kills at once.
+    """
+    pgids = [p.pid for p in procs]
+    others = _descendants(p.pid for p in procs if p.poll() is None)
+    if grace_s > 0:
+        _signal(pgids, others, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            if all(p.poll() is not None for p in procs) and not any(_alive(o) for o in others):
+                break
+            time.sleep(0.02)
+    _signal(pgids, others, signal.SIGKILL)
+    for p in procs:
+        p.wait()
+    psutil.wait_procs([o for o in others if _alive(o)], timeout=2.0)
+
+
+def _descendants(pids: Iterable[int]) -> list[psutil.Process]:
+    found: list[psutil.Process] = []
+    for pid in pids:
+        try:
+            found.extend(psutil.Process(pid).children(recursive=True))
+        except psutil.Error:
+            continue
+    return found
+
+
+def _signal(pgids: Iterable[int], others: Iterable[psutil.Process], sig: int) -> None:
+    for pgid in pgids:
+        try:
+            os.killpg(pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+    for proc in others:
+        try:
+            proc.send_signal(sig)
+        except psutil.Error:
+            pass
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False

@@ -1,0 +1,139 @@
+"""What runs inside each rank process: load the payload, call the function, report.
+
+The launcher starts ``sys.executable -c BOOTSTRAP <run_dir>``; the bootstrap
+restores the caller's ``sys.path`` and calls :func:`main`. This module imports
+only the standard library, cloudpickle and air_magic's wire format: never
+IPython, ipywidgets or torch (the user's function imports what it needs).
+
+A rank either writes ``result-<rank>.pkl`` and exits 0, or writes
+``error-<rank>.pkl`` and exits 1. Anything else (a signal, ``os._exit``) is
+noticed by the launcher, which holds the process handle.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from typing import Any, NoReturn
+
+from air_magic import serialization, wire
+
+# The launcher passes this to ``python -c``; argv[1] is the run directory.
+BOOTSTRAP = (
+    "import json,sys;d=sys.argv[1];s=json.load(open(d+'/launch.json'));"
+    "sys.path[:]=s['sys_path'];sys.argv[:]=s['argv'];"
+    "from air_magic.rank_entry import main;main(d)"
+)
+
+
+def main(run_dir: str) -> NoReturn:
+    # A segfault in C code still leaves a Python stack in the rank's log.
+    faulthandler.enable(all_threads=True)
+    _watch_lifeline()
+    rank = int(os.environ["RANK"])
+    stage = "load"
+    try:
+        with open(os.path.join(run_dir, wire.PAYLOAD_FILE), "rb") as f:
+            fn, args, kwargs = serialization.loads(f.read())
+        stage = "run"
+        result = fn(*args, **kwargs)
+        stage = "result"
+        data = _dump_result(result, rank)
+    except BaseException as exc:  # noqa: BLE001 - every failure is reported, even SystemExit
+        _report(run_dir, rank, stage, exc)
+        _exit(1)
+    wire.write_atomically(wire.result_path(run_dir, rank), data)
+    _exit(0)
+
+
+def _dump_result(result: Any, rank: int) -> bytes:
+    try:
+        return serialization.dumps_result(result)
+    except Exception as exc:  # noqa: BLE001
+        from air_magic.errors import PayloadError
+
+        found = serialization.find_unpicklable(result, "return value")
+        where, error = found if found is not None else ("return value", exc)
+        raise PayloadError(
+            f"rank {rank}'s {where} ({serialization.describe_type(result)}) cannot be sent back: {error}. "
+            "Return plain data (numbers, tensors, dicts, state_dict()) instead."
+        ) from None
+
+
+def _report(run_dir: str, rank: int, stage: str, exc: BaseException) -> None:
+    when = time.monotonic()
+    tb = exc.__traceback__
+    if stage == "run" and tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next  # drop main()'s own frame: the user's frames start below it
+    text = "".join(traceback.format_exception(type(exc), exc, tb))
+    pickled: bytes | None
+    try:
+        pickled = serialization.dumps(exc)
+        serialization.loads(pickled)  # an exception with an unusual __init__ fails here
+    except Exception:  # noqa: BLE001
+        pickled = None
+    record = wire.ErrorRecord(
+        rank=rank,
+        time=when,
+        stage=stage,
+        type_name=f"{type(exc).__module__}.{type(exc).__qualname__}",
+        message=_safe_str(exc),
+        traceback=text,
+        exception=pickled,
+    )
+    try:
+        wire.write_atomically(wire.error_path(run_dir, rank), serialization.dumps(record))
+    except Exception:  # noqa: BLE001 - the text still reaches the log
+        pass
+    # The traceback also goes to the rank's stderr, so the log tells the story on its own.
+    sys.stderr.write(text)
+
+
+def _safe_str(exc: BaseException) -> str:
+    try:
+        return str(exc)
+    except Exception:  # noqa: BLE001
+        return f"<{type(exc).__name__}: str() failed>"
+
+
+def _watch_lifeline() -> None:
+    """Die with the caller: when the launcher's end of the lifeline pipe closes, kill this rank's group.
+
+    The caller holds the pipe's write end; the kernel closes it however the
+    caller dies (even SIGKILL), and the read here returns EOF. The rank is a
+    process-group leader, so killing the group also takes DataLoader workers
+    and other children it started.
+    """
+    raw = os.environ.get(wire.ENV_LIFELINE_FD)
+    if not raw:
+        return
+    fd = int(raw)
+    os.set_inheritable(fd, False)
+
+    def watch() -> None:
+        while True:
+            try:
+                if not os.read(fd, 1):
+                    break
+            except InterruptedError:
+                continue
+            except OSError:
+                break
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="air_magic-lifeline", daemon=True).start()
+
+
+def _exit(code: int) -> NoReturn:
+    # os._exit skips interpreter shutdown (about 1 s with torch loaded); flush first.
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001
+            pass
+    os._exit(code)

@@ -1,0 +1,71 @@
+"""The environment each rank starts with: torchrun's variables and air_magic's own.
+
+Built from the caller's environment, so a rank sees what the notebook sees,
+plus the settings' ``env`` extras. The user's function initialises the
+process group itself (``init_process_group("nccl")`` or ``"gloo"``), exactly
+as under torchrun.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from air_magic import wire
+from air_magic.accelerators import AcceleratorPlan
+from air_magic.rendezvous import LOOPBACK
+
+
+def rank_environment(
+    *,
+    rank: int,
+    plan: AcceleratorPlan,
+    port: int,
+    run_id: str,
+    run_dir: str,
+    log_dir: str,
+    lifeline_fd: int,
+    extra: Mapping[str, str],
+    base: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    world = plan.world_size
+    env.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(world),
+            "NODE_RANK": "0",
+            "GROUP_RANK": "0",
+            "ROLE_RANK": str(rank),
+            "ROLE_WORLD_SIZE": str(world),
+            "ROLE_NAME": "default",
+            "MASTER_ADDR": LOOPBACK,
+            "MASTER_PORT": str(port),
+            # The launcher hosts the store (see rendezvous.py); every rank is a client.
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "TORCHELASTIC_RUN_ID": run_id,
+            "TORCHELASTIC_RESTART_COUNT": "0",
+            "TORCHELASTIC_MAX_RESTARTS": "0",
+            "PYTHONUNBUFFERED": "1",
+            # A failed collective aborts the communicator instead of hanging until the watchdog.
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+            wire.ENV_RUN_ID: run_id,
+            wire.ENV_RUN_DIR: run_dir,
+            wire.ENV_LOG_DIR: log_dir,
+            wire.ENV_LIFELINE_FD: str(lifeline_fd),
+            wire.ENV_BACKEND: plan.backend,
+            wire.ENV_DEVICE: "cpu" if plan.cpu_mode else "cuda",
+        }
+    )
+    if "OMP_NUM_THREADS" not in env:
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world))
+    if plan.cpu_mode:
+        # Keep gloo's pair sockets on loopback: one machine needs no other interface.
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    else:
+        # UUIDs, not indices: unambiguous whatever CUDA_DEVICE_ORDER says.
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(g.uuid for g in plan.gpus)
+    env.update(extra)
+    return env

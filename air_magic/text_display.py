@@ -1,0 +1,90 @@
+"""Plain-text display of a run: rank-prefixed lines on the caller's stdout/stderr.
+
+Used in an IPython terminal, a script, and any frontend without widgets.
+Output is split into lines per rank and stream; a carriage-return redraw
+(tqdm) shows only its final state, and a line is printed once complete.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TextIO
+
+from air_magic.events import Event, RankExited, RankOutput, RankState, RunFinished, RunStarted
+
+_MAX_PARTIAL = 64 * 1024
+
+_cpu_mode_said = False
+
+
+class TextDisplay:
+    def __init__(self, out: TextIO | None = None, err: TextIO | None = None, prefix_width: int = 0):
+        self._out = out
+        self._err = err
+        self._partial: dict[tuple[int, str], str] = {}
+        self._width = prefix_width
+
+    # sys.stdout is read at each write: IPython swaps it per cell.
+    def _stream(self, name: str) -> TextIO:
+        if name == "stderr":
+            return self._err or sys.stderr
+        return self._out or sys.stdout
+
+    def handle(self, event: Event) -> None:
+        if isinstance(event, RankOutput):
+            self._output(event)
+        elif isinstance(event, RunStarted):
+            self._width = len(str(event.world_size - 1))
+            self._started(event)
+        elif isinstance(event, RankExited):
+            self._flush_rank(event.rank)
+            if event.state is not RankState.SUCCEEDED:
+                self._note(f"rank {event.rank} {event.state.value}: {event.reason}")
+        elif isinstance(event, RunFinished):
+            for rank in sorted({r for r, _ in self._partial}):
+                self._flush_rank(rank)
+            self._note(f"{event.outcome} in {event.elapsed:.1f} s; logs: {event.log_dir}")
+
+    def _started(self, event: RunStarted) -> None:
+        global _cpu_mode_said
+        where = f"{event.world_size} rank(s), backend {event.backend}"
+        if event.cpu_mode and not _cpu_mode_said:
+            _cpu_mode_said = True
+            self._note(
+                "CPU mode: no NVIDIA GPU is visible, so every rank runs on the CPU; "
+                "use init_process_group('gloo') (or air_magic.init_process_group())"
+            )
+        elif not event.cpu_mode:
+            where += f" on {event.detected}"
+        self._note(f"running {event.name} on {where}")
+
+    def _output(self, event: RankOutput) -> None:
+        key = (event.rank, event.stream)
+        text = self._partial.pop(key, "") + event.text
+        *lines, rest = text.split("\n")
+        if len(rest) > _MAX_PARTIAL:
+            lines.append(rest)
+            rest = ""
+        if rest:
+            self._partial[key] = rest
+        if lines:
+            self._write(event.rank, event.stream, lines)
+
+    def _flush_rank(self, rank: int) -> None:
+        for stream in ("stdout", "stderr"):
+            rest = self._partial.pop((rank, stream), "")
+            if rest:
+                self._write(rank, stream, [rest])
+
+    def _write(self, rank: int, stream: str, lines: list[str]) -> None:
+        prefix = f"[rank {rank:>{self._width}}] "
+        # One write per chunk, not per line: chatty ranks stay cheap.
+        text = "".join(prefix + line.rstrip("\r").rsplit("\r", 1)[-1] + "\n" for line in lines)
+        target = self._stream(stream)
+        target.write(text)
+        target.flush()
+
+    def _note(self, text: str) -> None:
+        target = self._stream("stderr")
+        target.write(f"air_magic: {text}\n")
+        target.flush()

@@ -1,0 +1,31 @@
+"""Helpers for code running inside a rank (optional: plain torch code works unchanged)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from air_magic import wire
+
+
+def init_process_group(backend: str | None = None, **kwargs: Any) -> Any:
+    """Initialise torch.distributed for this rank and return its ``torch.device``.
+
+    Picks ``nccl`` and ``cuda:LOCAL_RANK`` when the launch planned GPUs, ``gloo``
+    and the CPU otherwise, so the same function runs on a GPU node and a laptop.
+    Extra keyword arguments go to ``torch.distributed.init_process_group``.
+    """
+    import torch
+    import torch.distributed as dist
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    on_gpu = os.environ.get(wire.ENV_DEVICE, "cuda" if torch.cuda.is_available() else "cpu") == "cuda"
+    if on_gpu:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        kwargs.setdefault("device_id", device)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group(backend or ("nccl" if on_gpu else "gloo"), **kwargs)
+    return device

@@ -1,0 +1,77 @@
+"""The wire format between the launcher and a rank: files in the run directory.
+
+Nothing travels over a socket of ours. The launcher writes ``launch.json``
+and ``payload.pkl`` into a private (0700) run directory; each rank writes
+``result-<rank>.pkl`` on success or ``error-<rank>.pkl`` on failure, each
+atomically (write, then rename), and the launcher reads them after the rank
+exits. The worker side imports only this module, ``serialization`` and the
+standard library.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+LAUNCH_FILE = "launch.json"
+PAYLOAD_FILE = "payload.pkl"
+
+# Environment variables of air_magic's own (the torchrun ones are set too).
+ENV_RUN_DIR = "AIR_MAGIC_RUN_DIR"
+ENV_RUN_ID = "AIR_MAGIC_RUN_ID"
+ENV_LIFELINE_FD = "AIR_MAGIC_LIFELINE_FD"
+ENV_BACKEND = "AIR_MAGIC_BACKEND"
+ENV_DEVICE = "AIR_MAGIC_DEVICE"  # 'cuda' or 'cpu'
+ENV_LOG_DIR = "AIR_MAGIC_LOG_DIR"
+
+
+def result_path(run_dir: str, rank: int) -> str:
+    return os.path.join(run_dir, f"result-{rank}.pkl")
+
+
+def error_path(run_dir: str, rank: int) -> str:
+    return os.path.join(run_dir, f"error-{rank}.pkl")
+
+
+@dataclass
+class ErrorRecord:
+    """What a rank reports when it fails.
+
+    ``time`` is ``time.monotonic()`` in the rank: CLOCK_MONOTONIC is one clock
+    for the whole machine on Linux, so the launcher can order failures of
+    different ranks and name the earliest as the root cause.
+    """
+
+    rank: int
+    time: float
+    stage: str  # 'load' (payload), 'run' (the function), 'result' (pickling the return value)
+    type_name: str
+    message: str
+    traceback: str
+    exception: bytes | None  # the pickled exception, when it could be pickled
+
+
+def write_atomically(path: str, data: bytes) -> None:
+    tmp = f"{path}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        view = memoryview(data)
+        while view:
+            written = os.write(fd, view)
+            view = view[written:]
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def read_bytes(path: str) -> bytes | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
+def as_dict(record: ErrorRecord) -> dict[str, Any]:
+    return dict(record.__dict__)
