@@ -28,6 +28,7 @@ from air_magic.errors import (
     RankFailedError,
     RemoteTraceback,
 )
+from air_magic.history import RunInfo, last_run
 from air_magic.torch_helpers import init_process_group
 
 __all__ = [
@@ -42,7 +43,9 @@ __all__ = [
     "PayloadError",
     "RankFailedError",
     "RemoteTraceback",
+    "RunInfo",
     "__version__",
     "distributed",
     "init_process_group",
+    "last_run",
 ]

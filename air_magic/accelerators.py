@@ -218,9 +218,12 @@ def plan_accelerators(
                 f"accelerator_type {accelerator.name} needs {accelerator.count} GPUs, but "
                 f"{len(gpus)} are visible{where}: {detected}."
             )
-    count = num_accelerators
-    if count is None:
-        count = accelerator.count if accelerator is not None and accelerator.count else len(gpus)
+    if num_accelerators is not None:
+        count = num_accelerators
+    elif accelerator is not None and accelerator.count is not None:
+        count = accelerator.count
+    else:
+        count = len(gpus)
     if count > len(gpus):
         listing = ", ".join(f"{g.index}: {g.name}" for g in gpus)
         raise AcceleratorError(

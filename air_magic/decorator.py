@@ -18,6 +18,7 @@ from typing import Any, Generic, TypeVar, overload
 from air_magic.accelerators import AcceleratorType, plan_accelerators
 from air_magic.errors import DirectCallError
 from air_magic.events import Consumer, EventBus
+from air_magic.history import RunHistory
 from air_magic.launcher import LaunchRequest, LocalLauncher
 from air_magic.payload import build_payload
 from air_magic.settings import _UNSET, LaunchSettings, make_settings
@@ -69,9 +70,10 @@ class DistributedFunction(Generic[R]):
 
 
 def _consumers(settings: LaunchSettings) -> list[Consumer]:
-    if settings.display == "none":
-        return []
-    return [TextDisplay()]
+    consumers: list[Consumer] = [RunHistory()]
+    if settings.display != "none":
+        consumers.append(TextDisplay())
+    return consumers
 
 
 @overload

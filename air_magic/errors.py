@@ -98,7 +98,7 @@ def add_note(exc: BaseException, note: str) -> None:
         if not isinstance(notes, list):
             notes = []
             try:
-                exc.__notes__ = notes  # type: ignore[attr-defined]
+                exc.__notes__ = notes
             except AttributeError:
                 return
         notes.append(note)

@@ -90,11 +90,10 @@ class EventBus:
         for consumer in list(self._consumers):
             try:
                 consumer.handle(event)
-            except Exception:  # noqa: BLE001 - a display must never break a run
+            except Exception:
                 self._consumers.remove(consumer)
                 print(
                     f"air_magic: output consumer {type(consumer).__name__} failed and was detached; "
-                    "the run continues and every rank's log is still written:\n"
-                    + traceback.format_exc(),
-                    file=sys.__stderr__,
+                    "the run continues and every rank's log is still written:\n" + traceback.format_exc(),
+                    file=sys.stderr,
                 )

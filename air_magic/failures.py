@@ -83,7 +83,7 @@ def _rebuild(record: ErrorRecord) -> BaseException | None:
         return None
     try:
         exc = serialization.loads(record.exception)
-    except Exception:  # noqa: BLE001 - e.g. the class exists only in the rank
+    except Exception:
         return None
     return exc if isinstance(exc, BaseException) else None
 

@@ -41,7 +41,7 @@ from air_magic.errors import DistributedTimeoutError, LaunchError, PayloadError
 from air_magic.events import EventBus, RankExited, RankStarted, RankState, RunFinished, RunStarted
 from air_magic.failures import RankFailure, build_exception, root_cause
 from air_magic.output import OutputRouter, make_log_dir
-from air_magic.process_tree import DEFAULT_GRACE_S, stop_trees
+from air_magic.process_tree import DEFAULT_GRACE_S, DescendantTracker, stop_trees
 from air_magic.rank_env import rank_environment
 from air_magic.rendezvous import RendezvousStore
 
@@ -139,6 +139,7 @@ class _Run:
         self.ranks: list[_RankProcess] = []
         self.router = OutputRouter(log_dir, self.world, bus)
         self.selector = selectors.DefaultSelector()
+        self.tracker = DescendantTracker()
         self.started = time.monotonic()
 
     # -- the whole call ----------------------------------------------------------------
@@ -249,6 +250,7 @@ class _Run:
                 if r.exit_code is None and r.proc.poll() is not None:
                     self._exited(r, seen_alive)
             seen_alive = now
+            self.tracker.update(r.proc.pid for r in self.ranks if r.exit_code is None)
             if any(r.state is RankState.FAILED for r in self.ranks):
                 return "failed"
             if all(r.exit_code is not None for r in self.ranks):
@@ -261,7 +263,7 @@ class _Run:
             for key, _ in self.selector.select(wait):
                 ranked, stream = key.data
                 if stream is not None:
-                    self._read(key.fileobj, ranked, stream)  # type: ignore[arg-type]
+                    self._read(key.fileobj, ranked, stream)
                 # A readable pidfd needs nothing here: the poll at the top reaps it.
 
     def _read(self, pipe: Any, ranked: _RankProcess, stream: str) -> bool:
@@ -284,7 +286,9 @@ class _Run:
         ok = r.exit_code == 0 and os.path.exists(wire.result_path(self.run_dir, r.rank))
         r.state = RankState.SUCCEEDED if ok else RankState.FAILED
         self.bus.emit(
-            RankExited(rank=r.rank, state=r.state, exit_code=r.exit_code, reason=_exit_reason(r.exit_code, ok))
+            RankExited(
+                rank=r.rank, state=r.state, exit_code=r.exit_code, reason=_exit_reason(r.exit_code, ok)
+            )
         )
 
     # -- stopping ----------------------------------------------------------------------
@@ -294,9 +298,9 @@ class _Run:
         if not procs:
             return
         try:
-            stop_trees(procs, grace_s)
+            stop_trees(procs, grace_s, self.tracker.seen.values())
         except KeyboardInterrupt:  # a second interrupt: no more grace
-            stop_trees(procs, 0)
+            stop_trees(procs, 0, self.tracker.seen.values())
             raise
         finally:
             for r in self.ranks:
@@ -304,7 +308,9 @@ class _Run:
                     r.exit_code = r.proc.returncode
                     r.state = RankState.KILLED
                     self.bus.emit(
-                        RankExited(rank=r.rank, state=r.state, exit_code=r.exit_code, reason="stopped by air_magic")
+                        RankExited(
+                            rank=r.rank, state=r.state, exit_code=r.exit_code, reason="stopped by air_magic"
+                        )
                     )
 
     def _drain(self) -> None:
@@ -333,7 +339,7 @@ class _Run:
             assert data is not None  # checked when the rank exited
             try:
                 results.append(serialization.loads(data))
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 raise PayloadError(f"rank {r.rank}'s return value could not be loaded here: {exc}") from exc
         return results
 
@@ -354,7 +360,9 @@ class _Run:
                 still_running=[r.rank for r in running],
                 log_dir=self.log_dir,
             )
-        first_failure_at = min(r.exited_at for r in self.ranks if r.state is RankState.FAILED)  # type: ignore[type-var]
+        first_failure_at = min(
+            r.exited_at for r in self.ranks if r.state is RankState.FAILED and r.exited_at is not None
+        )
         self._stop(self.request.grace_s)
         self._drain()
         failure = root_cause(self._failures(first_failure_at))

@@ -4,8 +4,11 @@ Each rank's stdout and stderr are pipes (file-descriptor level, so C
 ``printf`` and NCCL's messages are caught too). The launcher's loop reads
 them and hands each chunk to :class:`OutputRouter`, which
 
-1. appends the raw bytes to ``<log_dir>/rank-<N>.log`` (both streams, in the
-   order they arrived), so the full log survives whatever the display does;
+1. appends the raw bytes to ``<log_dir>/rank-<N>.log``, so the full log
+   survives whatever the display does. Both streams share the file, whole
+   lines at a time (a partial line waits for its newline), so a stdout line
+   and a stderr line never end up glued together; their relative order is
+   the order the launcher read them, which two pipes cannot make exact;
 2. emits a :class:`~air_magic.events.RankOutput` event with the decoded text;
 3. keeps the last lines of each rank for timeout and failure messages.
 
@@ -87,26 +90,41 @@ class OutputRouter:
         self.log_dir = log_dir
         self._bus = bus
         self._log_fds = [
-            os.open(self.log_path(r), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600) for r in range(world_size)
+            os.open(self.log_path(r), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            for r in range(world_size)
         ]
         self._decoders = {
             (r, s): codecs.getincrementaldecoder("utf-8")("replace")
             for r in range(world_size)
             for s in ("stdout", "stderr")
         }
+        self._pending = {key: b"" for key in self._decoders}
         self.tails = [RankTail() for _ in range(world_size)]
 
     def log_path(self, rank: int) -> str:
         return os.path.join(self.log_dir, f"rank-{rank}.log")
 
     def feed(self, rank: int, stream: str, data: bytes) -> None:
-        _write_all(self._log_fds[rank], data)
+        self._log(rank, stream, data)
         text = self._decoders[(rank, stream)].decode(data)
         if text:
             self.tails[rank].add(text)
             self._bus.emit(RankOutput(rank=rank, stream=stream, text=text))
 
+    def _log(self, rank: int, stream: str, data: bytes) -> None:
+        key = (rank, stream)
+        pending = self._pending[key] + data
+        cut = pending.rfind(b"\n") + 1
+        if len(pending) - cut > _MAX_PARTIAL:
+            cut = len(pending)
+        if cut:
+            _write_all(self._log_fds[rank], pending[:cut])
+        self._pending[key] = pending[cut:]
+
     def close(self) -> None:
+        for (rank, _stream), pending in self._pending.items():
+            if pending:
+                _write_all(self._log_fds[rank], pending + b"\n")
         for (rank, stream), decoder in self._decoders.items():
             rest = decoder.decode(b"", final=True)
             if rest:

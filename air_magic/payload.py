@@ -16,14 +16,12 @@ from air_magic.errors import PayloadError
 from air_magic.serialization import describe_type, dumps, find_unpicklable
 
 
-def build_payload(
-    fn: Callable[..., Any], bound: inspect.BoundArguments, max_bytes: int
-) -> bytes:
+def build_payload(fn: Callable[..., Any], bound: inspect.BoundArguments, max_bytes: int) -> bytes:
     """Pickle ``(fn, args, kwargs)``; raise PayloadError naming what cannot travel."""
     parts = _named_parts(fn, bound)
     try:
         data = dumps((fn, bound.args, bound.kwargs))
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         for path, obj in parts:
             found = find_unpicklable(obj, path)
             if found is not None:
@@ -55,7 +53,7 @@ def _named_parts(fn: Callable[..., Any], bound: inspect.BoundArguments) -> list[
 def _dumps_or_empty(obj: Any) -> bytes:
     try:
         return dumps(obj)
-    except Exception:  # noqa: BLE001
+    except Exception:
         return b""
 
 

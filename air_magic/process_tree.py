@@ -21,13 +21,21 @@ import psutil
 DEFAULT_GRACE_S = 3.0
 
 
-def stop_trees(procs: list[subprocess.Popen[bytes]], grace_s: float = DEFAULT_GRACE_S) -> None:
+def stop_trees(
+    procs: list[subprocess.Popen[bytes]],
+    grace_s: float = DEFAULT_GRACE_S,
+    known: Iterable[psutil.Process] = (),
+) -> None:
     """Stop every rank in ``procs`` and all of its descendants; reap the ranks.
 
     ``grace_s`` is how long ranks get after SIGTERM before SIGKILL; 0 kills at once.
+    ``known`` are descendants seen earlier (see :class:`DescendantTracker`), which
+    may have lost their link to a rank that died since.
     """
     pgids = [p.pid for p in procs]
-    others = _descendants(p.pid for p in procs if p.poll() is None)
+    by_pid = {p.pid: p for p in known}
+    by_pid.update((p.pid, p) for p in descendants(p.pid for p in procs if p.poll() is None))
+    others = [p for p in by_pid.values() if _alive(p)]
     if grace_s > 0:
         _signal(pgids, others, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
@@ -41,7 +49,29 @@ def stop_trees(procs: list[subprocess.Popen[bytes]], grace_s: float = DEFAULT_GR
     psutil.wait_procs([o for o in others if _alive(o)], timeout=2.0)
 
 
-def _descendants(pids: Iterable[int]) -> list[psutil.Process]:
+class DescendantTracker:
+    """Remembers every descendant of the ranks seen so far, checked at most every ``interval_s``.
+
+    A rank killed by a signal cannot clean up after itself, and its children
+    that left its process group are re-parented away from it. Seen earlier,
+    they can still be stopped.
+    """
+
+    def __init__(self, interval_s: float = 1.0):
+        self.interval_s = interval_s
+        self.seen: dict[int, psutil.Process] = {}
+        self._next = 0.0
+
+    def update(self, pids: Iterable[int]) -> None:
+        now = time.monotonic()
+        if now < self._next:
+            return
+        self._next = now + self.interval_s
+        for proc in descendants(pids):
+            self.seen.setdefault(proc.pid, proc)
+
+
+def descendants(pids: Iterable[int]) -> list[psutil.Process]:
     found: list[psutil.Process] = []
     for pid in pids:
         try:

@@ -44,7 +44,7 @@ def main(run_dir: str) -> NoReturn:
         result = fn(*args, **kwargs)
         stage = "result"
         data = _dump_result(result, rank)
-    except BaseException as exc:  # noqa: BLE001 - every failure is reported, even SystemExit
+    except BaseException as exc:
         _report(run_dir, rank, stage, exc)
         _exit(1)
     wire.write_atomically(wire.result_path(run_dir, rank), data)
@@ -54,13 +54,13 @@ def main(run_dir: str) -> NoReturn:
 def _dump_result(result: Any, rank: int) -> bytes:
     try:
         return serialization.dumps_result(result)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         from air_magic.errors import PayloadError
 
         found = serialization.find_unpicklable(result, "return value")
         where, error = found if found is not None else ("return value", exc)
         raise PayloadError(
-            f"rank {rank}'s {where} ({serialization.describe_type(result)}) cannot be sent back: {error}. "
+            f"rank {rank}'s {where} cannot be sent back: {error}. "
             "Return plain data (numbers, tensors, dicts, state_dict()) instead."
         ) from None
 
@@ -75,7 +75,7 @@ def _report(run_dir: str, rank: int, stage: str, exc: BaseException) -> None:
     try:
         pickled = serialization.dumps(exc)
         serialization.loads(pickled)  # an exception with an unusual __init__ fails here
-    except Exception:  # noqa: BLE001
+    except Exception:
         pickled = None
     record = wire.ErrorRecord(
         rank=rank,
@@ -88,7 +88,7 @@ def _report(run_dir: str, rank: int, stage: str, exc: BaseException) -> None:
     )
     try:
         wire.write_atomically(wire.error_path(run_dir, rank), serialization.dumps(record))
-    except Exception:  # noqa: BLE001 - the text still reaches the log
+    except Exception:
         pass
     # The traceback also goes to the rank's stderr, so the log tells the story on its own.
     sys.stderr.write(text)
@@ -97,7 +97,7 @@ def _report(run_dir: str, rank: int, stage: str, exc: BaseException) -> None:
 def _safe_str(exc: BaseException) -> str:
     try:
         return str(exc)
-    except Exception:  # noqa: BLE001
+    except Exception:
         return f"<{type(exc).__name__}: str() failed>"
 
 
@@ -130,10 +130,30 @@ def _watch_lifeline() -> None:
 
 
 def _exit(code: int) -> NoReturn:
+    _kill_descendants()
     # os._exit skips interpreter shutdown (about 1 s with torch loaded); flush first.
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
     os._exit(code)
+
+
+def _kill_descendants() -> None:
+    """A rank leaves nothing behind: not even children that left its process group.
+
+    The launcher kills the rank's group afterwards; this catches ``setsid``
+    children, which the group kill cannot reach once the rank is gone.
+    """
+    try:
+        import psutil
+
+        children = psutil.Process().children(recursive=True)
+    except Exception:
+        return
+    for child in children:
+        try:
+            child.kill()
+        except psutil.Error:
+            pass

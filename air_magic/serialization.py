@@ -17,7 +17,7 @@ import pickle
 import sys
 import types
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import cloudpickle
 
@@ -39,7 +39,7 @@ def _code_reduce_keeping_filename(code: types.CodeType) -> Any:
 
 
 class Pickler(cloudpickle.Pickler):
-    dispatch_table = collections.ChainMap(
+    dispatch_table: ClassVar[collections.ChainMap[Any, Any]] = collections.ChainMap(
         {types.CodeType: _code_reduce_keeping_filename}, cloudpickle.Pickler.dispatch_table
     )
 
@@ -59,7 +59,7 @@ def find_unpicklable(obj: Any, path: str, depth: int = 0) -> tuple[str, BaseExce
     try:
         dumps(obj)
         return None
-    except Exception as exc:  # noqa: BLE001 - any pickling failure is what we look for
+    except Exception as exc:
         error: BaseException = exc
     if depth >= _MAX_DEPTH:
         return path, error
@@ -74,7 +74,7 @@ def _children(obj: Any, path: str) -> Iterator[tuple[str, Any]]:
     """The parts of ``obj`` that pickling would visit, with readable paths."""
     if isinstance(obj, types.FunctionType):
         code = obj.__code__
-        for name, cell in zip(code.co_freevars, obj.__closure__ or ()):
+        for name, cell in zip(code.co_freevars, obj.__closure__ or (), strict=False):
             try:
                 yield f"{path} -> closure variable {name!r}", cell.cell_contents
             except ValueError:  # empty cell

@@ -63,7 +63,15 @@ def make_settings(base: Mapping[str, Any] | None = None, **given: Any) -> Launch
     )
 
 
-_FIELDS = {"num_accelerators", "accelerator_type", "timeout", "display", "env", "log_dir", "max_payload_bytes"}
+_FIELDS = {
+    "num_accelerators",
+    "accelerator_type",
+    "timeout",
+    "display",
+    "env",
+    "log_dir",
+    "max_payload_bytes",
+}
 _LEGACY_NAMES = {"gpus": "num_accelerators", "gpu_type": "accelerator_type"}
 
 
@@ -127,7 +135,8 @@ def _check_timeout(value: Any) -> float | None:
     seconds = float(value)
     if math.isnan(seconds) or math.isinf(seconds) or seconds <= 0:
         raise ConfigurationError(
-            f"timeout must be a finite number of seconds greater than 0 (or None to disable it), got {value!r}"
+            f"timeout must be a finite number of seconds greater than 0 (or None to disable it), "
+            f"got {value!r}"
         )
     return seconds
 
@@ -153,7 +162,7 @@ def _check_log_dir(value: Any) -> str | None:
         return None
     if not isinstance(value, (str, os.PathLike)):
         raise ConfigurationError(f"log_dir must be a path, got {value!r}")
-    return os.fspath(value)  # type: ignore[return-value]
+    return os.fspath(value)
 
 
 def _check_payload_limit(value: Any) -> int:

@@ -16,7 +16,7 @@ def warn_at_user_line(message: str, category: type[Warning]) -> None:
     air_magic frames between the user and here depends on the entry point
     (decorator, ``with_overrides``, cell magic).
     """
-    level = 1
+    level = 2  # stacklevel 2 is the frame that called this function
     frame = sys._getframe(1)
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR + os.sep):
         frame = frame.f_back  # type: ignore[assignment]

@@ -1,0 +1,63 @@
+"""The last runs of this process: where their logs are and how they ended.
+
+A consumer like the displays; ``air_magic.last_run()`` reads it (and the
+``%distributed`` line magic will). Kept in memory only.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+from air_magic.events import Event, RankExited, RunFinished, RunStarted
+
+KEEP = 50
+
+
+@dataclass
+class RunInfo:
+    run_id: str
+    name: str
+    world_size: int
+    log_dir: str
+    outcome: str = "running"
+    elapsed: float | None = None
+    error: str | None = None
+    rank_states: dict[int, str] = field(default_factory=dict)
+    rank_exit_codes: dict[int, int | None] = field(default_factory=dict)
+
+    def log_path(self, rank: int) -> str:
+        return f"{self.log_dir}/rank-{rank}.log"
+
+
+_runs: collections.deque[RunInfo] = collections.deque(maxlen=KEEP)
+
+
+class RunHistory:
+    """Records each run's start, rank exits and end."""
+
+    def __init__(self) -> None:
+        self._current: RunInfo | None = None
+
+    def handle(self, event: Event) -> None:
+        if isinstance(event, RunStarted):
+            self._current = RunInfo(event.run_id, event.name, event.world_size, event.log_dir)
+            _runs.append(self._current)
+        elif self._current is None:
+            return
+        elif isinstance(event, RankExited):
+            self._current.rank_states[event.rank] = event.state.value
+            self._current.rank_exit_codes[event.rank] = event.exit_code
+        elif isinstance(event, RunFinished):
+            self._current.outcome = event.outcome
+            self._current.elapsed = event.elapsed
+            self._current.error = event.error
+
+
+def last_run() -> RunInfo | None:
+    """The most recent run of this process (``None`` before the first)."""
+    return _runs[-1] if _runs else None
+
+
+def runs() -> list[RunInfo]:
+    return list(_runs)

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Set up a virtual environment for air_magic: torch that fits this machine, then
+# air_magic itself (editable) with the extras named in $1 (e.g. "test").
+#
+#   scripts/setup.sh [EXTRAS]
+#
+# Environment: AIR_MAGIC_VENV (default .venv), PYTHON (default python3).
+# torch: with an NVIDIA driver, the default (CUDA) build from PyPI; without one,
+# the CPU build (a local wheel when pip has one, else PyTorch's CPU index), so a
+# CPU machine does not download gigabytes of CUDA libraries it cannot use.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv=${AIR_MAGIC_VENV:-.venv}
+python=${PYTHON:-python3}
+extras=${1:-}
+
+if [ ! -x "$venv/bin/python" ]; then
+    "$python" -m venv "$venv"
+fi
+pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
+
+if ! "$venv/bin/python" -c "import torch" >/dev/null 2>&1; then
+    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+        echo "setup: NVIDIA GPU found; installing torch (CUDA build)"
+        "${pip[@]}" "torch>=2.2"
+    else
+        echo "setup: no NVIDIA GPU; installing the CPU build of torch"
+        "${pip[@]}" "torch==2.13.0+cpu" 2>/dev/null \
+            || "${pip[@]}" --extra-index-url https://download.pytorch.org/whl/cpu "torch>=2.2,<2.15"
+    fi
+fi
+
+if [ -n "$extras" ]; then
+    "${pip[@]}" -e ".[$extras]"
+else
+    "${pip[@]}" -e .
+fi
+echo "setup: ready in $venv ($("$venv/bin/python" -c 'import torch; print("torch", torch.__version__)'))"

@@ -1,0 +1,87 @@
+"""Shared fixtures: every test must leave no process, run directory or stray log behind.
+
+The test process makes itself a *child subreaper* (prctl), so any process a
+rank leaves behind (even one whose parent died) is re-parented to pytest and
+shows up in ``psutil.Process().children(recursive=True)``. After each test we
+wait up to 5 s for all of them to be gone; a leftover fails the test.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import tempfile
+import time
+
+import psutil
+import pytest
+
+PR_SET_CHILD_SUBREAPER = 36
+LEFTOVER_WAIT_S = 5.0
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_dirs(tmp_path_factory: pytest.TempPathFactory):
+    """Logs and run directories of the whole session go to folders we can inspect."""
+    logs = tmp_path_factory.mktemp("logs")
+    runs = tmp_path_factory.mktemp("tmp")
+    old_log, old_tmp = os.environ.get("AIR_MAGIC_LOG_DIR"), tempfile.tempdir
+    os.environ["AIR_MAGIC_LOG_DIR"] = str(logs)
+    tempfile.tempdir = str(runs)
+    yield
+    tempfile.tempdir = old_tmp
+    if old_log is None:
+        os.environ.pop("AIR_MAGIC_LOG_DIR", None)
+    else:
+        os.environ["AIR_MAGIC_LOG_DIR"] = old_log
+
+
+def _reap_zombies() -> None:
+    for child in psutil.Process().children():
+        try:
+            if child.status() == psutil.STATUS_ZOMBIE:
+                os.waitpid(child.pid, os.WNOHANG)
+        except (psutil.Error, ChildProcessError):
+            pass
+
+
+def leftover_processes(timeout: float = LEFTOVER_WAIT_S) -> list[psutil.Process]:
+    """Descendants still alive after ``timeout`` seconds (zombies are reaped as we go)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        _reap_zombies()
+        alive = []
+        for proc in psutil.Process().children(recursive=True):
+            try:
+                if proc.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(proc)
+            except psutil.Error:
+                pass
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.05)
+
+
+@pytest.fixture(autouse=True)
+def no_leftovers():
+    """After each test: no descendant process alive, no run directory left in the temp dir."""
+    yield
+    alive = leftover_processes()
+    described = []
+    for proc in alive:
+        try:
+            described.append(f"{proc.pid} {' '.join(proc.cmdline())[:120]}")
+        except psutil.Error:
+            pass
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    assert not described, f"processes left behind: {described}"
+    stray = [n for n in os.listdir(tempfile.gettempdir()) if n.startswith("air_magic-")]
+    assert not stray, f"run directories left behind: {stray}"

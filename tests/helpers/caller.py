@@ -1,0 +1,32 @@
+"""A caller script for tests that interrupt or kill the caller itself.
+
+Usage: python caller.py DIR. Each rank starts a child (like a DataLoader
+worker), writes "<rank pid> <child pid>" to DIR/rank-<N>.pid, and sleeps.
+The script prints what happened to the call on stdout.
+"""
+
+import sys
+
+from air_magic import distributed
+
+
+@distributed(num_accelerators=2, display="none")
+def sleeper(out_dir):
+    import os
+    import subprocess
+    import time
+
+    child = subprocess.Popen(["sleep", "600"])
+    path = os.path.join(out_dir, f"rank-{os.environ['RANK']}.pid")
+    with open(path + ".tmp", "w") as f:
+        f.write(f"{os.getpid()} {child.pid}")
+    os.replace(path + ".tmp", path)
+    time.sleep(600)
+
+
+if __name__ == "__main__":
+    try:
+        sleeper.distributed(sys.argv[1])
+    except KeyboardInterrupt:
+        print("caller: KeyboardInterrupt", flush=True)
+        sys.exit(130)

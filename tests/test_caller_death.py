@@ -1,0 +1,62 @@
+"""The caller is interrupted or dies: every rank and its children go too (SPEC §6)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+
+CALLER = os.path.join(os.path.dirname(__file__), "helpers", "caller.py")
+
+
+def _start_caller(tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, CALLER, str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 60
+    pids: list[int] = []
+    while time.monotonic() < deadline and len(pids) < 4:
+        pids = []
+        for rank in (0, 1):
+            path = tmp_path / f"rank-{rank}.pid"
+            if path.exists():
+                pids += [int(p) for p in path.read_text().split()]
+        if proc.poll() is not None:
+            raise AssertionError(f"caller ended early: {proc.communicate()}")
+        time.sleep(0.05)
+    assert len(pids) == 4, "ranks did not start"
+    return proc, pids
+
+
+def _gone_within(pids, seconds):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        alive = [
+            p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+        ]
+        if not alive:
+            return []
+        time.sleep(0.05)
+    return alive
+
+
+def test_sigint_to_the_caller_stops_every_rank_and_raises_keyboard_interrupt(tmp_path):
+    proc, pids = _start_caller(tmp_path)
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert time.monotonic() - sent < 10
+    assert proc.returncode == 130, err
+    assert "caller: KeyboardInterrupt" in out
+    assert _gone_within(pids, 1) == []
+
+
+def test_sigkill_of_the_caller_takes_every_rank_and_child_within_5_s(tmp_path):
+    proc, pids = _start_caller(tmp_path)
+    proc.kill()
+    proc.wait()
+    assert _gone_within(pids, 5) == []

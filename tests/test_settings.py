@@ -1,0 +1,148 @@
+"""The decorator's surface and setting validation (SPEC §2): pure logic, no processes."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+
+from air_magic import AcceleratorType, ConfigurationError, DirectCallError, distributed
+from air_magic.accelerators import parse_accelerator_type
+from air_magic.settings import DEFAULT_TIMEOUT
+
+
+def train(x, y=2):
+    return x + y
+
+
+def test_bare_and_called_decorator_are_equivalent():
+    bare = distributed(train)
+    called = distributed()(train)
+    assert bare.settings == called.settings
+    assert bare.func is train and called.func is train
+    assert bare.__name__ == "train"
+    assert bare.settings.timeout == DEFAULT_TIMEOUT == 10800
+
+
+def test_direct_call_says_what_to_use():
+    wrapped = distributed(train)
+    with pytest.raises(DirectCallError) as info:
+        wrapped(1)
+    assert "train.distributed(" in str(info.value) and "train.func(" in str(info.value)
+    assert isinstance(info.value, TypeError)
+
+
+def test_func_runs_locally():
+    assert distributed(train).func(1) == 3
+
+
+@pytest.mark.parametrize("value", [True, False, 0, -1, 1.5, "2", "two"])
+def test_num_accelerators_rejects(value):
+    with pytest.raises(ConfigurationError, match="num_accelerators"):
+        distributed(num_accelerators=value)
+
+
+@pytest.mark.parametrize("value", [True, False, math.nan, math.inf, -math.inf, 0, -5, "60", [1]])
+def test_timeout_rejects(value):
+    with pytest.raises(ConfigurationError, match="timeout"):
+        distributed(timeout=value)
+
+
+@pytest.mark.parametrize("value", [1, 2.5, 10800, None])
+def test_timeout_accepts(value):
+    assert distributed(timeout=value)(train).settings.timeout == (None if value is None else float(value))
+
+
+def test_with_overrides_returns_a_new_wrapper():
+    base = distributed(num_accelerators=2, timeout=30)(train)
+    changed = base.with_overrides(num_accelerators=3)
+    assert changed.settings.num_accelerators == 3 and changed.settings.timeout == 30
+    assert base.settings.num_accelerators == 2
+    assert changed.func is train
+    with pytest.raises(ConfigurationError, match="timeout"):
+        base.with_overrides(timeout=0)
+    with pytest.raises(ConfigurationError, match="unknown setting"):
+        base.with_overrides(nonsense=1)
+
+
+def test_legacy_names_warn_once_at_the_users_line():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        wrapped = distributed(gpus=2, gpu_type="H100")(train)  # the line the warning must name
+    future = [w for w in caught if issubclass(w.category, FutureWarning)]
+    assert len(future) == 1
+    assert future[0].filename == __file__
+    text = str(future[0].message)
+    assert "gpus= -> num_accelerators=" in text and "gpu_type= -> accelerator_type=" in text
+    assert "'GPU_8xH100'" in text
+    assert wrapped.settings.num_accelerators == 2
+    assert wrapped.settings.accelerator_type.model == "H100"
+
+
+@pytest.mark.parametrize("legacy", ["A10", "a10g", "H100", "h100_80gb", "B300", "b300", "h100"])
+def test_legacy_type_values_warn(legacy):
+    with pytest.warns(FutureWarning, match="legacy"):
+        distributed(accelerator_type=legacy)
+
+
+def test_mixing_old_and_new_names_is_an_error():
+    with pytest.raises(ConfigurationError, match="gpus"):
+        distributed(num_accelerators=2, gpus=2)
+    with pytest.raises(ConfigurationError, match="gpu_type"):
+        distributed(accelerator_type="GPU_1xA10", gpu_type="A10")
+
+
+def test_with_overrides_accepts_legacy_names_with_a_warning():
+    base = distributed(num_accelerators=2)(train)
+    with pytest.warns(FutureWarning):
+        assert base.with_overrides(gpus=4).settings.num_accelerators == 4
+
+
+@pytest.mark.parametrize(
+    ("text", "count", "model"),
+    [
+        ("GPU_1xA10", 1, "A10"),
+        ("GPU_1xH100", 1, "H100"),
+        ("GPU_8xH100", 8, "H100"),
+        ("GPU_8xB300", 8, "B300"),
+        ("GPU_2xH200", 2, "H200"),
+        ("gpu_4xa100", 4, "A100"),
+        ("GPU_1xL4", 1, "L4"),
+    ],
+)
+def test_accelerator_type_general_form(text, count, model):
+    spec = parse_accelerator_type(text)
+    assert (spec.count, spec.model, spec.legacy) == (count, model, False)
+
+
+@pytest.mark.parametrize("text", ["", "H200x2", "GPU_0xH100", "GPU_xH100", "TPU_8xV5"])
+def test_accelerator_type_rejects(text):
+    with pytest.raises(ConfigurationError, match="GPU_<count>x<MODEL>"):
+        distributed(accelerator_type=text)
+
+
+def test_accelerator_type_enum_is_a_string():
+    assert AcceleratorType.GPU_8xH100 == "GPU_8xH100"
+    assert {t.value for t in AcceleratorType} == {"GPU_1xA10", "GPU_1xH100", "GPU_8xH100", "GPU_8xB300"}
+    assert (
+        distributed(accelerator_type=AcceleratorType.GPU_1xA10)(train).settings.accelerator_type.model
+        == "A10"
+    )
+
+
+def test_other_settings_are_checked():
+    with pytest.raises(ConfigurationError, match="display"):
+        distributed(display="fancy")
+    with pytest.raises(ConfigurationError, match="env"):
+        distributed(env={"A": 1})
+    with pytest.raises(ConfigurationError, match="max_payload_bytes"):
+        distributed(max_payload_bytes=0)
+
+
+def test_public_names():
+    import air_magic
+
+    assert air_magic.__all__ == sorted(air_magic.__all__, key=str)
+    for name in air_magic.__all__:
+        assert hasattr(air_magic, name)
