@@ -1,0 +1,112 @@
+"""The real GPU path, run on the device (2×H200); skipped on machines without an NVIDIA GPU.
+
+    python -m pytest -m gpu tests/gpu
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from air_magic import AcceleratorError, distributed
+from air_magic.accelerators import describe, detect_gpus
+
+GPUS = detect_gpus()
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not GPUS, reason="no NVIDIA GPU visible through NVML"),
+]
+
+
+def _caller_pid_on_gpu_and_nccl_sum():
+    import os
+
+    import pynvml
+    import torch
+    import torch.distributed as dist
+
+    local = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl")
+    t = torch.ones(1, device="cuda")
+    dist.all_reduce(t)
+    torch.cuda.synchronize()
+    pynvml.nvmlInit()
+    on_gpu = set()
+    for i in range(pynvml.nvmlDeviceGetCount()):
+        handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+        on_gpu |= {p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)}
+    pynvml.nvmlShutdown()
+    dist.destroy_process_group()
+    return {
+        "sum": t.item(),
+        "caller_on_gpu": os.getppid() in on_gpu,
+        "me_on_gpu": os.getpid() in on_gpu,
+        "devices": torch.cuda.device_count(),
+        "current": torch.cuda.current_device(),
+        "tensor": t * 2,  # a CUDA tensor: must come back on the CPU
+    }
+
+
+def test_detection_names_this_machine():
+    assert describe(GPUS).startswith(f"GPU_{len(GPUS)}x")
+    print("detected:", describe(GPUS), [g.name for g in GPUS])
+
+
+def test_nccl_all_reduce_on_every_gpu_and_the_caller_holds_no_cuda_context():
+    import pynvml
+
+    out = distributed(display="text")(_caller_pid_on_gpu_and_nccl_sum).distributed()
+    world = len(GPUS)
+    assert [o["sum"] for o in out] == [float(world)] * world
+    assert [o["current"] for o in out] == list(range(world))
+    assert all(o["devices"] == world for o in out)
+    assert not any(o["caller_on_gpu"] for o in out)
+    assert all(o["tensor"].device.type == "cpu" for o in out)
+    # And after the run: this process never appears on a GPU.
+    pynvml.nvmlInit()
+    pids = set()
+    for i in range(pynvml.nvmlDeviceGetCount()):
+        handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+        pids |= {p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)}
+    pynvml.nvmlShutdown()
+    assert os.getpid() not in pids
+    assert "torch" not in __import__("sys").modules or not __import__("torch").cuda.is_initialized()
+
+
+def _visible():
+    import os
+
+    import torch
+
+    return os.environ["CUDA_VISIBLE_DEVICES"], torch.cuda.device_count()
+
+
+def test_a_subset_gets_the_right_cuda_visible_devices():
+    out = distributed(num_accelerators=1, display="none")(_visible).distributed()
+    assert out == [(GPUS[0].uuid, 1)]
+
+
+def test_accelerator_type_is_checked_against_the_machine():
+    here = describe(GPUS)
+    with pytest.raises(AcceleratorError, match=here):
+        distributed(accelerator_type="GPU_8xA10", display="none")(_visible).distributed()
+    out = distributed(accelerator_type=here, display="none")(_visible).distributed()
+    assert len(out) == len(GPUS)
+
+
+def _helper():
+    import torch.distributed as dist
+
+    import air_magic
+
+    device = air_magic.init_process_group()
+    backend = dist.get_backend()
+    dist.destroy_process_group()
+    return str(device), backend
+
+
+def test_init_process_group_helper_uses_nccl_on_gpus():
+    out = distributed(display="none")(_helper).distributed()
+    assert out == [(f"cuda:{i}", "nccl") for i in range(len(GPUS))]
