@@ -354,9 +354,8 @@ class _Run:
                 shown = "\n".join(f"      {line}" for line in tail) if tail else "      (nothing printed)"
                 lines.append(f"  rank {r.rank} was still running; its last lines:\n{shown}")
             return DistributedTimeoutError(
-                f"timed out after {self.request.timeout:g} s (timeout=); every rank was stopped.\n"
-                + "\n".join(lines)
-                + f"\n  Logs: {self.log_dir}",
+                f"timed out after {self.request.timeout:g} s (timeout={self.request.timeout:g}); "
+                "every rank was stopped.\n" + "\n".join(lines) + f"\n  Logs: {self.log_dir}",
                 still_running=[r.rank for r in running],
                 log_dir=self.log_dir,
             )

@@ -24,6 +24,7 @@ import collections
 import os
 import shutil
 
+from air_magic.errors import ConfigurationError
 from air_magic.events import EventBus, RankOutput
 
 KEEP_RUNS = 100
@@ -42,9 +43,15 @@ def default_log_root() -> str:
 def make_log_dir(root: str | None, run_id: str) -> str:
     """Create the run's private log folder (0700); prune old runs under the default root."""
     base = root or default_log_root()
-    os.makedirs(base, mode=0o700, exist_ok=True)
     path = os.path.join(base, run_id)
-    os.mkdir(path, mode=0o700)
+    try:
+        os.makedirs(base, mode=0o700, exist_ok=True)
+        os.mkdir(path, mode=0o700)
+    except OSError as exc:
+        raise ConfigurationError(
+            f"cannot create the run's log folder {path}: {exc.strerror}. Pass log_dir= (or set "
+            "AIR_MAGIC_LOG_DIR) to a folder you can write to; nothing was launched."
+        ) from exc
     if root is None:
         _prune(base)
     return path

@@ -9,18 +9,19 @@ payload over the size limit (with its largest parts listed).
 from __future__ import annotations
 
 import inspect
+import linecache
 from collections.abc import Callable
 from typing import Any
 
 from air_magic.errors import PayloadError
-from air_magic.serialization import describe_type, dumps, find_unpicklable
+from air_magic.serialization import describe_type, dumps, find_unpicklable, parts_of
 
 
 def build_payload(fn: Callable[..., Any], bound: inspect.BoundArguments, max_bytes: int) -> bytes:
     """Pickle ``(fn, args, kwargs)``; raise PayloadError naming what cannot travel."""
     parts = _named_parts(fn, bound)
     try:
-        data = dumps((fn, bound.args, bound.kwargs))
+        data = dumps((fn, bound.args, bound.kwargs, cell_sources()))
     except Exception as exc:
         for path, obj in parts:
             found = find_unpicklable(obj, path)
@@ -33,7 +34,11 @@ def build_payload(fn: Callable[..., Any], bound: inspect.BoundArguments, max_byt
                 ) from exc
         raise PayloadError(f"cannot send the function and its arguments to the ranks: {exc}") from exc
     if len(data) > max_bytes:
-        sizes = sorted(((len(_dumps_or_empty(obj)), path) for path, obj in parts), reverse=True)
+        # The function's own closure variables and globals are listed one by one: that is
+        # where a notebook's big data usually hides.
+        fn_path, fn_obj = parts[-1]
+        candidates = parts[:-1] + list(parts_of(fn_obj, fn_path))
+        sizes = sorted(((len(_dumps_or_empty(obj)), path) for path, obj in candidates), reverse=True)
         largest = "; ".join(f"{path}: {_mb(size)}" for size, path in sizes[:5] if size)
         raise PayloadError(
             f"the function and its arguments pickle to {_mb(len(data))}, over the limit of "
@@ -59,3 +64,26 @@ def _dumps_or_empty(obj: Any) -> bytes:
 
 def _mb(size: int) -> str:
     return f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{size / 1024:.1f} KiB"
+
+
+_MAX_SOURCES = 2 * 2**20
+
+
+def cell_sources() -> dict[str, list[str]]:
+    """Source lines of code that has no file (notebook and IPython cells), newest first, capped.
+
+    IPython registers each cell in ``linecache`` with no modification time; a
+    rank gets the same entries, so its traceback shows the lines of the cell
+    it came from instead of bare line numbers.
+    """
+    sources: dict[str, list[str]] = {}
+    total = 0
+    for name, entry in reversed(list(linecache.cache.items())):
+        if len(entry) != 4 or entry[1] is not None:
+            continue
+        lines = list(entry[2])
+        total += sum(len(line) for line in lines)
+        if total > _MAX_SOURCES:
+            break
+        sources[name] = lines
+    return sources

@@ -13,6 +13,7 @@ noticed by the launcher, which holds the process handle.
 from __future__ import annotations
 
 import faulthandler
+import linecache
 import os
 import signal
 import sys
@@ -39,7 +40,9 @@ def main(run_dir: str) -> NoReturn:
     stage = "load"
     try:
         with open(os.path.join(run_dir, wire.PAYLOAD_FILE), "rb") as f:
-            fn, args, kwargs = serialization.loads(f.read())
+            fn, args, kwargs, sources = serialization.loads(f.read())
+        for name, lines in sources.items():  # notebook cells: tracebacks show their lines
+            linecache.cache[name] = (sum(map(len, lines)), None, lines, name)
         stage = "run"
         result = fn(*args, **kwargs)
         stage = "result"

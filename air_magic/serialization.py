@@ -63,14 +63,14 @@ def find_unpicklable(obj: Any, path: str, depth: int = 0) -> tuple[str, BaseExce
         error: BaseException = exc
     if depth >= _MAX_DEPTH:
         return path, error
-    for child_path, child in _children(obj, path):
+    for child_path, child in parts_of(obj, path):
         found = find_unpicklable(child, child_path, depth + 1)
         if found is not None:
             return found
     return path, error
 
 
-def _children(obj: Any, path: str) -> Iterator[tuple[str, Any]]:
+def parts_of(obj: Any, path: str) -> Iterator[tuple[str, Any]]:
     """The parts of ``obj`` that pickling would visit, with readable paths."""
     if isinstance(obj, types.FunctionType):
         code = obj.__code__

@@ -1,7 +1,8 @@
 """The wire format between the launcher and a rank: files in the run directory.
 
 Nothing travels over a socket of ours. The launcher writes ``launch.json``
-and ``payload.pkl`` into a private (0700) run directory; each rank writes
+(the caller's ``sys.path`` and ``sys.argv``) and ``payload.pkl`` (cloudpickle
+of ``(fn, args, kwargs, cell_sources)``) into a private (0700) run directory; each rank writes
 ``result-<rank>.pkl`` on success or ``error-<rank>.pkl`` on failure, each
 atomically (write, then rename), and the launcher reads them after the rank
 exits. The worker side imports only this module, ``serialization`` and the

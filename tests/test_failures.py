@@ -343,3 +343,25 @@ def _escaped_child_then_sigkill():
 def test_escaped_children_of_a_sigkilled_rank_are_stopped():
     with pytest.raises(RankFailedError, match="SIGKILL"):
         run(_escaped_child_then_sigkill)
+
+
+def test_unwritable_log_dir_fails_before_launch(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    target = locked / "logs"
+    if os.access(locked, os.W_OK):  # root ignores directory permissions: use a file as the parent
+        blocker = tmp_path / "a-file"
+        blocker.write_text("")
+        target = blocker / "logs"
+    with pytest.raises(air_magic.ConfigurationError, match="cannot create the run's log folder"):
+        run(_raise_on, 0, log_dir=str(target))
+
+
+def test_payload_limit_lists_a_big_global_of_the_function():
+    big = b"y" * (3 * 2**20)
+    fn = type(_uses_global_lock)(
+        (lambda: len(BIG)).__code__,  # noqa: F821
+        {"BIG": big, "__name__": "__main__"},
+    )
+    with pytest.raises(air_magic.PayloadError, match=r"global 'BIG': 3\.0 MiB"):
+        distributed(display="none", max_payload_bytes=2**20)(fn).distributed()

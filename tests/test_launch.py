@@ -310,7 +310,7 @@ def test_a_broken_display_never_breaks_the_run(capsys):
 
     history = RunHistory()
     request = LaunchRequest(
-        name="chatty", payload=dumps((_chatty, (10,), {})), plan=plan_accelerators(2, None), timeout=60
+        name="chatty", payload=dumps((_chatty, (10,), {}, {})), plan=plan_accelerators(2, None), timeout=60
     )
     result = LocalLauncher().run(request, EventBus([Broken(), history]))
     assert result.unwrap() == ["0", "1"]

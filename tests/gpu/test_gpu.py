@@ -1,6 +1,6 @@
-"""The real GPU path, run on the device (2×H200); skipped on machines without an NVIDIA GPU.
+"""The real GPU path, run on the device (2xH200); skipped on machines without an NVIDIA GPU.
 
-    python -m pytest -m gpu tests/gpu
+python -m pytest -m gpu tests/gpu
 """
 
 from __future__ import annotations
