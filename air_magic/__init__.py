@@ -31,6 +31,21 @@ from air_magic.errors import (
 from air_magic.history import RunInfo, last_run
 from air_magic.torch_helpers import init_process_group
 
+
+def load_ipython_extension(ipython: object) -> None:
+    """``%load_ext air_magic``: register ``%%distributed`` and ``%distributed``."""
+    from air_magic.magics import load
+
+    load(ipython)
+
+
+def unload_ipython_extension(ipython: object) -> None:
+    """``%unload_ext air_magic``: remove both magics."""
+    from air_magic.magics import unload
+
+    unload(ipython)
+
+
 __all__ = [
     "AcceleratorError",
     "AcceleratorType",
@@ -48,4 +63,6 @@ __all__ = [
     "distributed",
     "init_process_group",
     "last_run",
+    "load_ipython_extension",
+    "unload_ipython_extension",
 ]

@@ -19,10 +19,10 @@ from air_magic.accelerators import AcceleratorType, plan_accelerators
 from air_magic.errors import DirectCallError
 from air_magic.events import Consumer, EventBus
 from air_magic.history import RunHistory
-from air_magic.launcher import LaunchRequest, LocalLauncher
+from air_magic.launcher import LaunchRequest, LocalLauncher, RunResult
 from air_magic.payload import build_payload
 from air_magic.settings import _UNSET, LaunchSettings, make_settings
-from air_magic.text_display import TextDisplay
+from air_magic.widget_display import make_consumers
 
 R = TypeVar("R")
 
@@ -55,25 +55,29 @@ class DistributedFunction(Generic[R]):
     def distributed(self, *args: Any, **kwargs: Any) -> list[R]:
         """Run the function on every rank with these arguments; return each rank's result in rank order."""
         bound = self._signature.bind(*args, **kwargs)  # a wrong call fails here, before anything starts
-        settings = self.settings
-        plan = plan_accelerators(settings.num_accelerators, settings.accelerator_type)
-        payload = build_payload(self.func, bound, settings.max_payload_bytes)
-        request = LaunchRequest(
-            name=getattr(self.func, "__qualname__", "function"),
-            payload=payload,
-            plan=plan,
-            timeout=settings.timeout,
-            env=dict(settings.env),
-            log_root=settings.log_dir,
-        )
-        return LocalLauncher().run(request, EventBus(_consumers(settings))).unwrap()
+        name = getattr(self.func, "__qualname__", "function")
+        return launch(name, self.func, bound, self.settings).unwrap()
+
+
+def launch(
+    name: str, func: Callable[..., Any], bound: inspect.BoundArguments, settings: LaunchSettings
+) -> RunResult:
+    """Plan, pack and run one call; shared by the decorator and the cell magic."""
+    plan = plan_accelerators(settings.num_accelerators, settings.accelerator_type)
+    payload = build_payload(func, bound, settings.max_payload_bytes)
+    request = LaunchRequest(
+        name=name,
+        payload=payload,
+        plan=plan,
+        timeout=settings.timeout,
+        env=dict(settings.env),
+        log_root=settings.log_dir,
+    )
+    return LocalLauncher().run(request, EventBus(_consumers(settings)))
 
 
 def _consumers(settings: LaunchSettings) -> list[Consumer]:
-    consumers: list[Consumer] = [RunHistory()]
-    if settings.display != "none":
-        consumers.append(TextDisplay())
-    return consumers
+    return [RunHistory(), *make_consumers(settings.display)]
 
 
 @overload

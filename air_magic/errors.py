@@ -24,6 +24,15 @@ from __future__ import annotations
 class AirMagicError(Exception):
     """Base class of every error air_magic raises on purpose."""
 
+    def _render_traceback_(self) -> list[str]:
+        # IPython calls this instead of printing our internal frames: the message
+        # (and a rank's traceback, when there is one) is what a person needs.
+        lines: list[str] = []
+        if isinstance(self.__cause__, RemoteTraceback):
+            lines += [*self.__cause__.text.splitlines(), ""]
+        lines += f"{type(self).__name__}: {self}".splitlines()
+        return lines
+
 
 class ConfigurationError(AirMagicError, ValueError):
     """A setting is invalid; nothing was launched."""

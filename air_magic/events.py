@@ -60,17 +60,28 @@ class RankExited:
 
 
 @dataclass(frozen=True)
+class Tick:
+    """Sent by the launcher's loop a few times a second, so displays can refresh without output."""
+
+    elapsed: float
+
+
+@dataclass(frozen=True)
 class RunFinished:
-    """``outcome`` is 'succeeded', 'failed', 'timeout' or 'interrupted'."""
+    """``outcome`` is 'succeeded', 'failed', 'timeout' or 'interrupted'.
+
+    ``failed_rank`` is the root cause's rank when the outcome is 'failed'.
+    """
 
     run_id: str
     outcome: str
     elapsed: float
     log_dir: str
     error: str | None = None
+    failed_rank: int | None = None
 
 
-Event = RunStarted | RankStarted | RankOutput | RankExited | RunFinished
+Event = RunStarted | RankStarted | RankOutput | RankExited | Tick | RunFinished
 
 
 class Consumer(Protocol):
@@ -90,7 +101,7 @@ class EventBus:
         for consumer in list(self._consumers):
             try:
                 consumer.handle(event)
-            except Exception:
+            except Exception:  # noqa: BLE001 - a display must never break a run
                 self._consumers.remove(consumer)
                 print(
                     f"air_magic: output consumer {type(consumer).__name__} failed and was detached; "

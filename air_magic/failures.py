@@ -55,8 +55,9 @@ def build_exception(
         exc = _rebuild(record)
         # SystemExit or KeyboardInterrupt from a rank must not end the caller: wrap those.
         if isinstance(exc, Exception):
-            add_note(exc, f"[air_magic] raised on {where}; full log: {log_path}")
-            _tag(exc, rank)
+            note = f"[air_magic] raised on {where}; full log: {log_path}"
+            add_note(exc, note)
+            _tag(exc, rank, [*cause.text.splitlines(), note])
             exc.__cause__ = cause
             return exc
         stage = {"load": " while loading the function and its arguments", "result": ""}.get(record.stage, "")
@@ -83,14 +84,20 @@ def _rebuild(record: ErrorRecord) -> BaseException | None:
         return None
     try:
         exc = serialization.loads(record.exception)
-    except Exception:
+    except Exception:  # noqa: BLE001 - e.g. the class exists only in the rank
         return None
     return exc if isinstance(exc, BaseException) else None
 
 
-def _tag(exc: BaseException, rank: int) -> None:
+def _tag(exc: BaseException, rank: int, rendered: list[str]) -> None:
+    """Mark a rebuilt exception with its rank, and how IPython should show it.
+
+    ``_render_traceback_`` makes a notebook show the rank's traceback (which ends
+    with the exception itself) instead of air_magic's frames in the kernel.
+    """
     try:
         exc.air_magic_rank = rank  # type: ignore[attr-defined]
+        exc._render_traceback_ = lambda: rendered  # type: ignore[attr-defined]
     except (AttributeError, TypeError):
         pass
 

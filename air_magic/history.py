@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
+from typing import Any
 
 from air_magic.events import Event, RankExited, RunFinished, RunStarted
 
@@ -25,6 +26,7 @@ class RunInfo:
     error: str | None = None
     rank_states: dict[int, str] = field(default_factory=dict)
     rank_exit_codes: dict[int, int | None] = field(default_factory=dict)
+    values: list[Any] | None = None  # a %%distributed cell's last-expression values, per rank
 
     def log_path(self, rank: int) -> str:
         return f"{self.log_dir}/rank-{rank}.log"

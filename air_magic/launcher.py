@@ -38,7 +38,7 @@ from typing import Any
 from air_magic import rank_entry, serialization, wire
 from air_magic.accelerators import AcceleratorPlan
 from air_magic.errors import DistributedTimeoutError, LaunchError, PayloadError
-from air_magic.events import EventBus, RankExited, RankStarted, RankState, RunFinished, RunStarted
+from air_magic.events import EventBus, RankExited, RankStarted, RankState, RunFinished, RunStarted, Tick
 from air_magic.failures import RankFailure, build_exception, root_cause
 from air_magic.output import OutputRouter, make_log_dir
 from air_magic.process_tree import DEFAULT_GRACE_S, DescendantTracker, stop_trees
@@ -46,6 +46,7 @@ from air_magic.rank_env import rank_environment
 from air_magic.rendezvous import RendezvousStore
 
 INTERRUPT_GRACE_S = 1.0
+TICK_S = 0.2  # how often the loop wakes without output, for displays and the deadline
 _DRAIN_S = 2.0
 _READ_SIZE = 1 << 16
 
@@ -141,6 +142,7 @@ class _Run:
         self.selector = selectors.DefaultSelector()
         self.tracker = DescendantTracker()
         self.started = time.monotonic()
+        self.failed_rank: int | None = None
 
     # -- the whole call ----------------------------------------------------------------
 
@@ -194,6 +196,7 @@ class _Run:
                     elapsed=time.monotonic() - self.started,
                     log_dir=self.log_dir,
                     error=None if error is None else f"{type(error).__name__}: {error}",
+                    failed_rank=self.failed_rank,
                 )
             )
 
@@ -242,7 +245,8 @@ class _Run:
         """Wait for every rank; return 'succeeded', 'failed' or 'timeout' with ranks still alive or reaped."""
         timeout = self.request.timeout
         deadline = None if timeout is None else self.started + timeout
-        poll_s = 0.5 if all(r.pidfd is not None for r in self.ranks) else 0.1
+        poll_s = TICK_S if all(r.pidfd is not None for r in self.ranks) else 0.1
+        next_tick = 0.0
         seen_alive = time.monotonic()  # every rank was alive when this was last taken
         while True:
             now = time.monotonic()
@@ -251,6 +255,9 @@ class _Run:
                     self._exited(r, seen_alive)
             seen_alive = now
             self.tracker.update(r.proc.pid for r in self.ranks if r.exit_code is None)
+            if now >= next_tick:
+                next_tick = now + TICK_S
+                self.bus.emit(Tick(elapsed=now - self.started))
             if any(r.state is RankState.FAILED for r in self.ranks):
                 return "failed"
             if all(r.exit_code is not None for r in self.ranks):
@@ -365,6 +372,7 @@ class _Run:
         self._stop(self.request.grace_s)
         self._drain()
         failure = root_cause(self._failures(first_failure_at))
+        self.failed_rank = failure.rank
         return build_exception(
             failure,
             world_size=self.world,

@@ -58,7 +58,7 @@ def _named_parts(fn: Callable[..., Any], bound: inspect.BoundArguments) -> list[
 def _dumps_or_empty(obj: Any) -> bytes:
     try:
         return dumps(obj)
-    except Exception:
+    except Exception:  # noqa: BLE001 - sizing only
         return b""
 
 

@@ -47,7 +47,7 @@ def main(run_dir: str) -> NoReturn:
         result = fn(*args, **kwargs)
         stage = "result"
         data = _dump_result(result, rank)
-    except BaseException as exc:
+    except BaseException as exc:  # noqa: BLE001 - every failure is reported, even SystemExit
         _report(run_dir, rank, stage, exc)
         _exit(1)
     wire.write_atomically(wire.result_path(run_dir, rank), data)
@@ -57,7 +57,7 @@ def main(run_dir: str) -> NoReturn:
 def _dump_result(result: Any, rank: int) -> bytes:
     try:
         return serialization.dumps_result(result)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - any pickling failure is named below
         from air_magic.errors import PayloadError
 
         found = serialization.find_unpicklable(result, "return value")
@@ -71,14 +71,16 @@ def _dump_result(result: Any, rank: int) -> bytes:
 def _report(run_dir: str, rank: int, stage: str, exc: BaseException) -> None:
     when = time.monotonic()
     tb = exc.__traceback__
-    if stage == "run" and tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next  # drop main()'s own frame: the user's frames start below it
+    if stage == "run":
+        # Drop air_magic's own frames (main, the cell runner): the user's frames start below them.
+        while tb is not None and tb.tb_next is not None and _is_ours(tb.tb_frame.f_code.co_filename):
+            tb = tb.tb_next
     text = "".join(traceback.format_exception(type(exc), exc, tb))
     pickled: bytes | None
     try:
         pickled = serialization.dumps(exc)
         serialization.loads(pickled)  # an exception with an unusual __init__ fails here
-    except Exception:
+    except Exception:  # noqa: BLE001 - an exception with an unusual __init__ fails to load
         pickled = None
     record = wire.ErrorRecord(
         rank=rank,
@@ -91,16 +93,23 @@ def _report(run_dir: str, rank: int, stage: str, exc: BaseException) -> None:
     )
     try:
         wire.write_atomically(wire.error_path(run_dir, rank), serialization.dumps(record))
-    except Exception:
+    except Exception:  # noqa: BLE001 - the text still reaches the log
         pass
     # The traceback also goes to the rank's stderr, so the log tells the story on its own.
     sys.stderr.write(text)
 
 
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _is_ours(filename: str) -> bool:
+    return os.path.abspath(filename).startswith(_PACKAGE_DIR)
+
+
 def _safe_str(exc: BaseException) -> str:
     try:
         return str(exc)
-    except Exception:
+    except Exception:  # noqa: BLE001 - str() of a user's exception can raise anything
         return f"<{type(exc).__name__}: str() failed>"
 
 
@@ -138,7 +147,7 @@ def _exit(code: int) -> NoReturn:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except Exception:
+        except Exception:  # noqa: BLE001 - best effort while exiting
             pass
     os._exit(code)
 
@@ -153,7 +162,7 @@ def _kill_descendants() -> None:
         import psutil
 
         children = psutil.Process().children(recursive=True)
-    except Exception:
+    except Exception:  # noqa: BLE001 - best effort; the launcher's group kill still runs
         return
     for child in children:
         try:

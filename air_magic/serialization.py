@@ -59,7 +59,7 @@ def find_unpicklable(obj: Any, path: str, depth: int = 0) -> tuple[str, BaseExce
     try:
         dumps(obj)
         return None
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - any pickling failure is what we look for
         error: BaseException = exc
     if depth >= _MAX_DEPTH:
         return path, error

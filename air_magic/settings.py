@@ -20,7 +20,7 @@ from air_magic.user_warnings import warn_at_user_line
 
 DEFAULT_TIMEOUT = 10800.0  # the seed's 3 hours
 DEFAULT_MAX_PAYLOAD_BYTES = 512 * 2**20
-DISPLAY_MODES = ("auto", "text", "none")
+DISPLAY_MODES = ("auto", "tabs", "text", "rank0", "none")
 
 _UNSET: Any = object()
 

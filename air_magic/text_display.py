@@ -18,7 +18,14 @@ _cpu_mode_said = False
 
 
 class TextDisplay:
-    def __init__(self, out: TextIO | None = None, err: TextIO | None = None, prefix_width: int = 0):
+    def __init__(
+        self,
+        out: TextIO | None = None,
+        err: TextIO | None = None,
+        prefix_width: int = 0,
+        ranks: set[int] | None = None,
+    ):
+        self._ranks = ranks  # None: every rank
         self._out = out
         self._err = err
         self._partial: dict[tuple[int, str], str] = {}
@@ -59,6 +66,8 @@ class TextDisplay:
         self._note(f"running {event.name} on {where}")
 
     def _output(self, event: RankOutput) -> None:
+        if self._ranks is not None and event.rank not in self._ranks:
+            return
         key = (event.rank, event.stream)
         text = self._partial.pop(key, "") + event.text
         *lines, rest = text.split("\n")

@@ -5,6 +5,18 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh test
 venv=${AIR_MAGIC_VENV:-.venv}
+
+# The browser test drives Debian's chromium (never a downloaded browser).
+if [ ! -x /usr/bin/chromium ]; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "test: installing Debian's chromium for the browser test"
+        apt-get install -y -q chromium >/dev/null 2>&1 \
+            || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1; } \
+            || echo "test: could not install chromium; the browser test will be skipped"
+    else
+        echo "test: /usr/bin/chromium is missing (apt-get install chromium); the browser test will be skipped"
+    fi
+fi
 echo "== ruff";   "$venv/bin/ruff" check . && "$venv/bin/ruff" format --check .
 echo "== mypy";   "$venv/bin/mypy"
 echo "== pytest"; "$venv/bin/python" -m pytest "$@"

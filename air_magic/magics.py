@@ -1,0 +1,279 @@
+"""The IPython extension: ``%%distributed`` (run a cell on every rank) and ``%distributed``.
+
+Loaded with ``%load_ext air_magic`` (see ``load_ipython_extension`` in the
+package). The cell magic turns the cell into a call of
+:func:`air_magic.cell_runner.run_cell` and launches it like the decorator does:
+
+1. IPython's own transforms make the cell Python; line magics and shell
+   escapes cannot run in a rank, so they are refused before launch, by line;
+2. :mod:`air_magic.cell_analysis` finds the names the cell reads; those the
+   notebook defines are sent (modules are re-imported by name in the rank);
+   one that cannot be pickled fails before launch, named;
+3. after success, the names the cell assigned come back from rank 0, and the
+   cell's output is the list of every rank's value of its last expression.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import linecache
+import types
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+
+from air_magic import cell_runner, history, serialization
+from air_magic.accelerators import describe, detect_gpus
+from air_magic.cell_analysis import names_assigned, names_read
+from air_magic.decorator import launch
+from air_magic.errors import ConfigurationError, PayloadError
+from air_magic.output import default_log_root
+from air_magic.settings import DISPLAY_MODES, make_settings
+
+
+@magics_class
+class DistributedMagics(Magics):
+    @magic_arguments()
+    @argument("-n", "--num-accelerators", type=int, default=None, help="ranks to run (default: every GPU)")
+    @argument("--accelerator-type", default=None, help="e.g. GPU_8xH100; checked against this machine")
+    @argument("--timeout", default=None, help="seconds, or 'none' (default 10800)")
+    @argument("--display", default="auto", choices=DISPLAY_MODES, help="how rank output is shown")
+    @argument("--push", default="", help="comma-separated names to send besides those detected")
+    @argument("--pull", default=None, help="comma-separated names to bring back from rank 0")
+    @argument("--no-pull", action="store_true", help="bring nothing back")
+    @cell_magic
+    def distributed(self, line: str, cell: str) -> Any:
+        """Run this cell on every GPU (or CPU rank); bring rank 0's new names back.
+
+        The cell's output is the list of every rank's value of its last expression.
+        """
+        args = parse_argstring(self.distributed, line)
+        settings = _settings(args)
+        shell = self.shell
+        assert shell is not None
+        # IPython counts the cell before running it: the cell's own number is one less.
+        number = max(shell.execution_count - 1, 0)
+        source = shell.transform_cell(cell)
+        _refuse_magics(cell, source)
+        filename = _register_source(shell, source, number)
+        tree = ast.parse(source, filename)  # a SyntaxError is shown as usual, before launch
+
+        pushed = [n.strip() for n in args.push.split(",") if n.strip()]
+        values, modules, skipped = _capture(shell, names_read(tree) + pushed, pushed)
+        if skipped:
+            print(f"air_magic: not sent (IPython's own): {', '.join(skipped)}")
+        if args.no_pull:
+            pull: list[str] = []
+        elif args.pull is not None:
+            pull = [n.strip() for n in args.pull.split(",") if n.strip()]
+        else:
+            pull = [n for n in names_assigned(tree) if not n.startswith("_")]
+
+        bound = inspect.signature(cell_runner.run_cell).bind(source, filename, values, modules, pull)
+        name = f"cell [{number}]"
+        outcomes = launch(name, cell_runner.run_cell, bound, settings).unwrap()
+        return _bring_back(shell, outcomes, _ends_with_expression(tree), imported=set(_imported(tree)))
+
+    @line_magic("distributed")  # type: ignore[arg-type]
+    def distributed_line(self, line: str) -> Any:
+        """%distributed status | logs [RANK] | settings | help"""
+        words = line.split()
+        command = words[0] if words else "status"
+        if command == "status":
+            return _status()
+        if command == "logs":
+            return _logs(words[1:])
+        if command == "settings":
+            gpus = detect_gpus()
+            print(f"accelerators: {describe(gpus)}")
+            print(f"log folder: {default_log_root()}")
+            return None
+        if command == "help":
+            print(_HELP)
+            return None
+        raise UsageError(f"%distributed: unknown command {command!r}.\n{_HELP}")
+
+
+_HELP = """%distributed status        the last run: outcome, time, each rank's state, log folder
+%distributed logs [RANK]   where the last run's logs are, or the end of one rank's log
+%distributed settings      what this machine has, where logs go
+%%distributed [options]    run the cell on every rank (%%distributed? lists the options)"""
+
+
+def _settings(args: Any) -> Any:
+    timeout: Any = ...
+    if args.timeout is not None:
+        if args.timeout.lower() == "none":
+            timeout = None
+        else:
+            try:
+                timeout = float(args.timeout)
+            except ValueError:
+                raise UsageError(f"--timeout takes seconds or 'none', not {args.timeout!r}") from None
+    given: dict[str, Any] = {
+        "num_accelerators": args.num_accelerators,
+        "accelerator_type": args.accelerator_type,
+        "display": args.display,
+    }
+    if timeout is not ...:
+        given["timeout"] = timeout
+    try:
+        return make_settings(**given)
+    except ConfigurationError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _refuse_magics(cell: str, source: str) -> None:
+    """Line magics and shell escapes need the notebook's shell, which a rank does not have."""
+    if "get_ipython()" not in source or "get_ipython()" in cell:
+        return
+    raw = cell.splitlines()
+    bad = [
+        f"line {i}: {raw[i - 1].strip() if i - 1 < len(raw) else line.strip()}"
+        for i, line in enumerate(source.splitlines(), 1)
+        if "get_ipython()" in line
+    ]
+    raise UsageError(
+        "%%distributed cannot run IPython magics or shell escapes inside the ranks ("
+        + "; ".join(bad)
+        + "). Run them in a cell of their own, or use subprocess/os in the cell."
+    )
+
+
+def _register_source(shell: Any, source: str, number: int) -> str:
+    """Name the cell like IPython does and put its lines in linecache, for tracebacks."""
+    try:
+        return str(shell.compile.cache(source, number))
+    except Exception:  # noqa: BLE001 - older IPython: register by hand
+        name = f"<distributed-cell-{number}>"
+        linecache.cache[name] = (len(source), None, source.splitlines(True), name)
+        return name
+
+
+def _capture(
+    shell: Any, names: list[str], pushed: list[str]
+) -> tuple[dict[str, Any], dict[str, str], list[str]]:
+    """Split the notebook's values for ``names`` into values to send and modules to re-import."""
+    values: dict[str, Any] = {}
+    modules: dict[str, str] = {}
+    skipped: list[str] = []
+    hidden = shell.user_ns_hidden
+    for name in dict.fromkeys(names):
+        if name not in shell.user_ns:
+            if name in pushed:
+                raise UsageError(f"--push {name}: no such name in the notebook")
+            continue  # a builtin, or a NameError the rank will report
+        value = shell.user_ns[name]
+        if name in hidden and hidden[name] is value:
+            skipped.append(name)
+        elif isinstance(value, types.ModuleType):
+            modules[name] = value.__name__
+        else:
+            found = serialization.find_unpicklable(value, f"notebook variable {name!r}")
+            if found is not None:
+                where, error = found
+                raise PayloadError(
+                    f"cannot send {where} to the ranks: {error}. Create it inside the cell instead, "
+                    "or keep it out of the cell."
+                )
+            values[name] = value
+    return values, modules, skipped
+
+
+def _ends_with_expression(tree: ast.Module) -> bool:
+    return bool(tree.body) and isinstance(tree.body[-1], ast.Expr)
+
+
+def _imported(tree: ast.Module) -> list[str]:
+    return [
+        alias.asname or alias.name.split(".")[0]
+        for node in tree.body
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for alias in node.names
+    ]
+
+
+def _bring_back(
+    shell: Any, outcomes: list[cell_runner.CellOutcome], ends_with_expression: bool, imported: set[str]
+) -> Any:
+    """Put rank 0's names into the notebook; return every rank's last value (None if all are None).
+
+    Imported names come back too (by reference) but are not listed: the line
+    names the data the cell made.
+    """
+    first = outcomes[0]
+    loaded: dict[str, Any] = {}
+    failed = dict(first.unpicklable)
+    for name, data in first.names.items():
+        try:
+            loaded[name] = serialization.loads(data)
+        except Exception as exc:  # noqa: BLE001
+            failed[name] = f"could not be loaded here: {exc}"
+    shell.user_ns.update(loaded)
+    shown = [k for k, v in loaded.items() if k not in imported and not isinstance(v, types.ModuleType)]
+    if shown:
+        print(f"air_magic: brought back from rank 0: {', '.join(shown)}")
+    if failed:
+        print("air_magic: not brought back: " + "; ".join(f"{k} ({v})" for k, v in failed.items()))
+    info = history.last_run()
+    if not ends_with_expression:
+        return None
+    values: list[Any] = []
+    for rank, outcome in enumerate(outcomes):
+        if outcome.value is None:
+            print(f"air_magic: rank {rank}'s last value could not be sent back: {outcome.value_error}")
+            values.append(None)
+        else:
+            values.append(serialization.loads(outcome.value))
+    if info is not None:
+        info.values = values
+    # Like IPython, show nothing when there is nothing to show (a final print(), say).
+    return None if all(v is None for v in values) else values
+
+
+def _status() -> None:
+    info = history.last_run()
+    if info is None:
+        print("air_magic: no run yet in this kernel")
+        return
+    took = "" if info.elapsed is None else f" in {info.elapsed:.1f} s"
+    print(f"{info.name}: {info.outcome}{took}; {info.world_size} rank(s); logs: {info.log_dir}")
+    for rank in range(info.world_size):
+        state = info.rank_states.get(rank, "running")
+        print(f"  rank {rank}: {state} (exit code {info.rank_exit_codes.get(rank)})")
+    if info.error:
+        print(f"  error: {info.error.splitlines()[0]}")
+
+
+def _logs(args: list[str]) -> None:
+    info = history.last_run()
+    if info is None:
+        print("air_magic: no run yet in this kernel")
+        return
+    if not args:
+        print(info.log_dir)
+        return
+    try:
+        rank = int(args[0])
+    except ValueError:
+        raise UsageError("%distributed logs takes a rank number") from None
+    if not 0 <= rank < info.world_size:
+        raise UsageError(f"rank {rank} is not in the last run (ranks 0 to {info.world_size - 1})")
+    with open(info.log_path(rank), errors="replace") as f:
+        lines = f.read().splitlines()
+    print("\n".join(lines[-50:]))
+    print(f"(full log: {info.log_path(rank)})")
+
+
+def load(shell: Any) -> None:
+    shell.register_magics(DistributedMagics)
+
+
+def unload(shell: Any) -> None:
+    manager = shell.magics_manager
+    manager.magics["cell"].pop("distributed", None)
+    manager.magics["line"].pop("distributed", None)
+    manager.registry.pop("DistributedMagics", None)

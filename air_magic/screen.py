@@ -1,0 +1,63 @@
+"""A rank's output as a terminal would show it: lines, carriage-return redraws, a capped tail.
+
+Used by the widget display. Text arrives in chunks that split lines
+anywhere; a ``\\r`` returns to the start of the current line, so the next
+text replaces it (that is how tqdm redraws a bar). We keep the text after
+the last ``\\r`` of a line, which is what the eye sees for any progress bar
+that rewrites its whole line. ANSI colour codes are kept: Jupyter renders
+them in stream outputs. Only the last :data:`MAX_LINES` lines are kept here;
+the full log is on disk.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+MAX_LINES = 1000
+_MAX_LINE_CHARS = 10_000
+
+
+@dataclass
+class RankScreen:
+    max_lines: int = MAX_LINES
+    lines: collections.deque[tuple[str, str]] = field(default_factory=collections.deque)
+    dropped: int = 0
+    _partial: dict[str, str] = field(default_factory=dict)
+
+    def write(self, stream: str, text: str) -> None:
+        text = self._partial.pop(stream, "") + text
+        *complete, rest = text.split("\n")
+        for line in complete:
+            self._append(stream, _redraw(line))
+        if rest:
+            self._partial[stream] = _redraw(rest)[-_MAX_LINE_CHARS:]
+
+    def _append(self, stream: str, line: str) -> None:
+        if len(line) > _MAX_LINE_CHARS:
+            line = line[:_MAX_LINE_CHARS] + f" … ({len(line) - _MAX_LINE_CHARS} more characters in the log)"
+        self.lines.append((stream, line))
+        if len(self.lines) > self.max_lines:
+            self.lines.popleft()
+            self.dropped += 1
+
+    def stream_outputs(self) -> tuple[dict[str, str], ...]:
+        """The screen as Jupyter stream outputs: consecutive lines of one stream merged."""
+        rows = list(self.lines) + [(s, p) for s, p in self._partial.items() if p]
+        outputs: list[dict[str, str]] = []
+        for stream, line in rows:
+            if outputs and outputs[-1]["name"] == stream:
+                outputs[-1]["text"] += line + "\n"
+            else:
+                outputs.append({"output_type": "stream", "name": stream, "text": line + "\n"})
+        return tuple(outputs)
+
+    def text(self) -> str:
+        return "".join(o["text"] for o in self.stream_outputs())
+
+
+def _redraw(line: str) -> str:
+    if "\r" not in line:
+        return line
+    stripped = line.rstrip("\r")  # a trailing \r (before \n) does not erase the line
+    return stripped.rsplit("\r", 1)[-1]

@@ -1,0 +1,195 @@
+"""Live per-rank tabs in a notebook: one ipywidgets tab per rank under a status header.
+
+A consumer of launch events, like the text display; it never drives
+processes. Rank output goes into a :class:`~air_magic.screen.RankScreen`
+(carriage returns redraw, capped tail) and reaches the browser at most every
+:data:`FLUSH_S` seconds per rank, as one replacement of the tab's outputs:
+appending line by line to an ``Output`` widget grows quadratically (2 000
+appends took 8 s when measured), one replacement of a capped tail does not.
+The kernel's messages to the browser are therefore bounded by time, not by
+how much the ranks print.
+"""
+
+from __future__ import annotations
+
+import html
+import sys
+import time
+from typing import Any
+
+from air_magic.events import (
+    Event,
+    RankExited,
+    RankOutput,
+    RankStarted,
+    RankState,
+    RunFinished,
+    RunStarted,
+    Tick,
+)
+from air_magic.screen import RankScreen
+
+FLUSH_S = 0.25
+
+GLYPHS = {
+    RankState.STARTING: "○",
+    RankState.RUNNING: "●",
+    RankState.SUCCEEDED: "✓",
+    RankState.FAILED: "✗",
+    RankState.KILLED: "■",
+}
+_COLORS = {
+    RankState.STARTING: "#888",
+    RankState.RUNNING: "#1a73e8",
+    RankState.SUCCEEDED: "#188038",
+    RankState.FAILED: "#d93025",
+    RankState.KILLED: "#b06000",
+}
+
+
+def widgets_available() -> bool:
+    """True inside a Jupyter kernel with ipywidgets installed (the frontend is assumed to render them)."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    if shell is None or getattr(shell, "kernel", None) is None:
+        return False
+    try:
+        import ipywidgets  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class WidgetDisplay:
+    def __init__(self) -> None:
+        self._screens: list[RankScreen] = []
+        self._states: list[RankState] = []
+        self._reasons: list[str] = []
+        self._started_at: list[float | None] = []
+        self._ended_at: list[float | None] = []
+        self._dirty: set[int] = set()
+        self._last_flush = 0.0
+        self._run: RunStarted | None = None
+        self._outcome = "running"
+        self._elapsed = 0.0
+        self._t0 = time.monotonic()
+
+    # -- events -------------------------------------------------------------------------
+
+    def handle(self, event: Event) -> None:
+        if isinstance(event, RunStarted):
+            self._build(event)
+        elif self._run is None:
+            return
+        elif isinstance(event, RankOutput):
+            self._screens[event.rank].write(event.stream, event.text)
+            self._dirty.add(event.rank)
+            self._flush()
+        elif isinstance(event, Tick):
+            self._elapsed = event.elapsed
+            self._flush()
+        elif isinstance(event, RankStarted):
+            self._states[event.rank] = RankState.RUNNING
+            self._started_at[event.rank] = time.monotonic()
+        elif isinstance(event, RankExited):
+            self._states[event.rank] = event.state
+            self._reasons[event.rank] = event.reason
+            self._ended_at[event.rank] = time.monotonic()
+            self._flush(force=True)
+        elif isinstance(event, RunFinished):
+            self._outcome = event.outcome
+            self._elapsed = event.elapsed
+            if event.failed_rank is not None:
+                self._tab.selected_index = event.failed_rank
+            self._dirty.update(range(len(self._screens)))
+            self._flush(force=True)
+
+    # -- widgets ------------------------------------------------------------------------
+
+    def _build(self, event: RunStarted) -> None:
+        import ipywidgets as w
+        from IPython.display import display
+
+        self._run = event
+        n = event.world_size
+        self._screens = [RankScreen() for _ in range(n)]
+        self._states = [RankState.STARTING] * n
+        self._reasons = [""] * n
+        self._started_at = [None] * n
+        self._ended_at = [None] * n
+        self._t0 = time.monotonic()
+        self._header = w.HTML(value=self._header_html())
+        self._outputs = [w.Output(layout=w.Layout(max_height="30em", overflow="auto")) for _ in range(n)]
+        self._footers = [w.HTML(value=self._footer_html(r)) for r in range(n)]
+        self._tab = w.Tab(
+            children=[w.VBox([o, f]) for o, f in zip(self._outputs, self._footers, strict=True)]
+        )
+        self._titles = [self._title(r) for r in range(n)]
+        self._tab.titles = tuple(self._titles)
+        self._box = w.VBox([self._header, self._tab])
+        self._box.add_class("air-magic-run")
+        display(self._box)
+
+    def _flush(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_flush < FLUSH_S:
+            return
+        self._last_flush = now
+        for rank in sorted(self._dirty):
+            self._outputs[rank].outputs = self._screens[rank].stream_outputs()
+            footer = self._footer_html(rank)
+            if footer != self._footers[rank].value:
+                self._footers[rank].value = footer
+        self._dirty.clear()
+        titles = [self._title(r) for r in range(len(self._screens))]
+        if titles != self._titles:
+            self._titles = titles
+            self._tab.titles = tuple(titles)
+        header = self._header_html()
+        if header != self._header.value:
+            self._header.value = header
+
+    def _title(self, rank: int) -> str:
+        return f"rank {rank} {GLYPHS[self._states[rank]]}"
+
+    def _footer_html(self, rank: int) -> str:
+        assert self._run is not None
+        dropped = self._screens[rank].dropped
+        shown = f"{dropped} earlier lines not shown; " if dropped else ""
+        path = html.escape(f"{self._run.log_dir}/rank-{rank}.log")
+        return f'<small style="color:#666">{shown}full log: <code>{path}</code></small>'
+
+    def _header_html(self) -> str:
+        run = self._run
+        assert run is not None
+        mode = f"CPU mode, {run.backend}" if run.cpu_mode else f"{run.detected}, {run.backend}"
+        outcome = self._outcome if self._outcome != "running" else "running"
+        rows = []
+        for r, state in enumerate(self._states):
+            start, end = self._started_at[r], self._ended_at[r]
+            took = "" if start is None else f"{((end or time.monotonic()) - start):.1f} s"
+            rows.append(
+                f'<tr><td>rank {r}</td><td style="color:{_COLORS[state]}">{GLYPHS[state]} {state.value}</td>'
+                f"<td>{took}</td><td>{html.escape(self._reasons[r])}</td></tr>"
+            )
+        return (
+            f"<div><b>{html.escape(run.name)}</b> · {run.world_size} rank(s) · {html.escape(mode)} · "
+            f"{html.escape(outcome)} · {self._elapsed:.1f} s</div>"
+            '<table style="font-size:90%"><tr><th align=left>rank</th><th align=left>state</th>'
+            "<th align=left>elapsed</th><th align=left>exit</th></tr>" + "".join(rows) + "</table>"
+        )
+
+
+def make_consumers(display: str) -> list[Any]:
+    """The display consumers for a display mode: 'auto', 'tabs', 'text', 'rank0' or 'none'."""
+    from air_magic.text_display import TextDisplay
+
+    if display == "none":
+        return []
+    if display == "text":
+        return [TextDisplay()]
+    if display == "rank0":
+        return [TextDisplay(ranks={0})]
+    if display == "tabs" or widgets_available():
+        return [WidgetDisplay()]
+    return [TextDisplay()]

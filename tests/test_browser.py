@@ -1,0 +1,167 @@
+"""A real browser: JupyterLab on 127.0.0.1, headless Chromium (Debian's) driven by Playwright.
+
+Runs a ``%%distributed -n 2`` cell whose ranks print and draw a tqdm bar, and
+checks that each rank's tab shows its own lines and one redrawn bar line.
+Saves a screenshot (its path is printed; ``AIR_MAGIC_SCREENSHOT`` overrides it).
+Every wait is time-boxed; the page is driven with clicks and keys only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+CHROMIUM = "/usr/bin/chromium"
+pytest.importorskip("jupyterlab")
+pytest.importorskip("tqdm")
+playwright_api = pytest.importorskip("playwright.sync_api")
+if not os.path.exists(CHROMIUM):
+    pytest.skip("Debian's chromium is not installed (scripts/test.sh installs it)", allow_module_level=True)
+
+CELL = """%%distributed -n 2
+import os, time
+from tqdm import tqdm
+rank = int(os.environ["RANK"])
+print(f"hello from rank {rank}")
+for _ in tqdm(range(30), desc=f"rank {rank} bar", ncols=60, mininterval=0):
+    time.sleep(0.02)
+print(f"rank {rank} done")
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def lab(tmp_path):
+    root = tmp_path / "root"
+    root.mkdir()
+    notebook = {
+        "cells": [
+            {
+                "cell_type": "code",
+                "metadata": {},
+                "source": "%load_ext air_magic",
+                "outputs": [],
+                "execution_count": None,
+            },
+            {"cell_type": "code", "metadata": {}, "source": CELL, "outputs": [], "execution_count": None},
+        ],
+        "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
+        "nbformat": 4,
+        "nbformat_minor": 5,
+    }
+    (root / "demo.ipynb").write_text(json.dumps(notebook))
+    settings = tmp_path / "lab-settings" / "@jupyterlab" / "apputils-extension"
+    settings.mkdir(parents=True)
+    # No "Jupyter news" popup over the page, no update check (no network here anyway).
+    (settings / "notification.jupyterlab-settings").write_text(
+        '{"fetchNews": "false", "checkForUpdates": false}'
+    )
+    port, token = _free_port(), secrets.token_hex(16)
+    env = dict(
+        os.environ,
+        JUPYTERLAB_SETTINGS_DIR=str(tmp_path / "lab-settings"),
+        JUPYTERLAB_WORKSPACES_DIR=str(tmp_path / "workspaces"),
+        JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
+    )
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jupyterlab",
+            "--no-browser",
+            "--allow-root",
+            "--ServerApp.ip=127.0.0.1",
+            f"--ServerApp.port={port}",
+            "--ServerApp.port_retries=0",
+            f"--IdentityProvider.token={token}",
+            f"--ServerApp.root_dir={root}",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2)
+            break
+        except OSError:
+            assert time.monotonic() < deadline, "JupyterLab did not start"
+            assert server.poll() is None, "JupyterLab exited"
+            time.sleep(0.2)
+    yield f"{base}/lab/tree/demo.ipynb?token={token}"
+    server.terminate()
+    try:
+        server.wait(15)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, 9)
+        server.wait()
+
+
+def test_live_tabs_in_jupyterlab(lab, tmp_path):
+    shot = Path(os.environ.get("AIR_MAGIC_SCREENSHOT", tmp_path / "air_magic_tabs.png"))
+    with playwright_api.sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM,
+            args=[
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--no-first-run",
+            ],
+        )
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            page.set_default_timeout(60_000)
+            page.goto(lab)
+            page.wait_for_selector("#jp-main-statusbar >> text=Idle", timeout=90_000)
+            first = page.locator(".jp-Notebook .jp-Cell").first
+            first.click()
+            page.keyboard.press("Escape")
+            page.keyboard.press("Shift+Enter")  # %load_ext
+            page.keyboard.press("Shift+Enter")  # the %%distributed cell
+            run = page.locator(".air-magic-run")
+            run.wait_for(timeout=60_000)
+            tabs = run.locator(".lm-TabBar-tab")
+            for rank in (0, 1):
+                tabs.filter(has_text=f"rank {rank} ✓").wait_for(timeout=90_000)
+            page.wait_for_selector("#jp-main-statusbar >> text=Idle", timeout=30_000)
+            texts = {}
+            if os.environ.get("AIR_MAGIC_DEBUG_DOM"):
+                Path(os.environ["AIR_MAGIC_DEBUG_DOM"]).write_text(run.inner_html())
+            for rank in (0, 1):
+                tabs.filter(has_text=f"rank {rank}").click()
+                panel = run.locator(".widget-tab-contents .widget-output").nth(rank)
+                panel.wait_for(state="visible", timeout=10_000)
+                texts[rank] = panel.inner_text()
+                if rank == 1:
+                    page.screenshot(path=str(shot), full_page=True)
+            print(f"\nscreenshot: {shot}")
+        finally:
+            browser.close()
+    for rank in (0, 1):
+        text = texts[rank]
+        assert f"hello from rank {rank}" in text and f"rank {rank} done" in text
+        assert f"hello from rank {1 - rank}" not in text
+        bars = [line for line in text.splitlines() if f"rank {rank} bar" in line]
+        assert len(bars) == 1, text  # redrawn in place, not one line per update
+        assert "30/30" in bars[0]
