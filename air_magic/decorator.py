@@ -15,6 +15,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar, overload
 
+from air_magic import tracking
 from air_magic.accelerators import AcceleratorType, plan_accelerators
 from air_magic.errors import DirectCallError
 from air_magic.events import Consumer, EventBus
@@ -27,6 +28,14 @@ from air_magic.widget_display import make_consumers
 R = TypeVar("R")
 
 
+_ANY_ARGUMENTS = inspect.Signature(
+    [
+        inspect.Parameter("args", inspect.Parameter.VAR_POSITIONAL),
+        inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD),
+    ]
+)
+
+
 class DistributedFunction(Generic[R]):
     """A function that runs once per rank through ``.distributed(...)``."""
 
@@ -35,7 +44,10 @@ class DistributedFunction(Generic[R]):
             raise TypeError(f"@distributed needs a function, got {func!r}")
         self.func = func
         self.settings = settings
-        self._signature = inspect.signature(func)
+        try:
+            self._signature = inspect.signature(func)
+        except (ValueError, TypeError):  # some builtins have none: accept any arguments
+            self._signature = _ANY_ARGUMENTS
         functools.update_wrapper(self, func)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -60,20 +72,62 @@ class DistributedFunction(Generic[R]):
 
 
 def launch(
-    name: str, func: Callable[..., Any], bound: inspect.BoundArguments, settings: LaunchSettings
+    name: str,
+    func: Callable[..., Any],
+    bound: inspect.BoundArguments,
+    settings: LaunchSettings,
+    *,
+    kind: str = "function",
+    source: str | None = None,
 ) -> RunResult:
-    """Plan, pack and run one call; shared by the decorator and the cell magic."""
+    """Plan, pack, track and run one call; shared by the decorator and the cell magic."""
     plan = plan_accelerators(settings.num_accelerators, settings.accelerator_type)
     payload = build_payload(func, bound, settings.max_payload_bytes)
+    tracked = None
+    if settings.tracking:
+        tracked = tracking.start_run(
+            name=name,
+            kind=kind,
+            source=source if source is not None else _source_of(func),
+            plan=plan,
+            timeout=settings.timeout,
+            accelerator_type=settings.accelerator_type.name if settings.accelerator_type else None,
+            experiment=settings.experiment,
+            run_name=settings.run_name,
+        )
     request = LaunchRequest(
         name=name,
         payload=payload,
         plan=plan,
         timeout=settings.timeout,
-        env=dict(settings.env),
+        env={**(tracked.env if tracked else {}), **settings.env},
         log_root=settings.log_dir,
+        tracking=tracked.describe() if tracked else None,
+        tracking_url=tracked.url if tracked else None,
     )
-    return LocalLauncher().run(request, EventBus(_consumers(settings)))
+    consumers = _consumers(settings)
+    if tracked is not None:
+        consumers.append(tracked)
+    outcome = "interrupted"
+    try:
+        result = LocalLauncher().run(request, EventBus(consumers))
+        outcome = result.outcome
+        return result
+    except KeyboardInterrupt:
+        raise
+    except BaseException:
+        outcome = "failed"
+        raise
+    finally:
+        if tracked is not None:
+            tracked.finish(outcome)
+
+
+def _source_of(func: Callable[..., Any]) -> str | None:
+    try:
+        return inspect.getsource(func)
+    except (OSError, TypeError):
+        return None
 
 
 def _consumers(settings: LaunchSettings) -> list[Consumer]:
@@ -96,6 +150,9 @@ def distributed(
     env: dict[str, str] | None = None,
     log_dir: str | None = None,
     max_payload_bytes: int = ...,
+    tracking: bool = ...,
+    experiment: str | None = None,
+    run_name: str | None = None,
 ) -> Callable[[Callable[..., R]], DistributedFunction[R]]: ...
 
 
@@ -110,6 +167,9 @@ def distributed(
     env: Any = None,
     log_dir: Any = None,
     max_payload_bytes: Any = _UNSET,
+    tracking: Any = _UNSET,
+    experiment: Any = None,
+    run_name: Any = None,
 ) -> Any:
     """Decorate a training function to run once per GPU (or CPU rank) via ``fn.distributed(...)``.
 
@@ -123,6 +183,8 @@ def distributed(
     - ``env``: extra environment variables for every rank.
     - ``log_dir``: where per-rank logs go (default ``~/.local/state/air_magic/runs``).
     - ``max_payload_bytes``: the pickled function and arguments must fit (default 512 MiB).
+    - ``tracking``: record the call as an MLflow run (default True when mlflow is installed).
+    - ``experiment`` / ``run_name``: the MLflow experiment and run name (defaults: see tracking.py).
     """
     if callable(num_accelerators) and not isinstance(num_accelerators, AcceleratorType):
         # Bare @distributed: the function came as the first argument.
@@ -137,6 +199,9 @@ def distributed(
         env=env,
         log_dir=log_dir,
         max_payload_bytes=max_payload_bytes,
+        tracking=tracking,
+        experiment=experiment,
+        run_name=run_name,
     )
 
     def decorate(func: Callable[..., R]) -> DistributedFunction[R]:

@@ -34,6 +34,8 @@ class RunStarted:
     cpu_mode: bool
     log_dir: str
     name: str
+    tracking: str | None = None  # what and where the MLflow run is, in words
+    tracking_url: str | None = None  # a page for it, when there is one
 
 
 @dataclass(frozen=True)

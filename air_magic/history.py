@@ -27,6 +27,8 @@ class RunInfo:
     rank_states: dict[int, str] = field(default_factory=dict)
     rank_exit_codes: dict[int, int | None] = field(default_factory=dict)
     values: list[Any] | None = None  # a %%distributed cell's last-expression values, per rank
+    tracking: str | None = None  # the MLflow run, in words
+    tracking_url: str | None = None
 
     def log_path(self, rank: int) -> str:
         return f"{self.log_dir}/rank-{rank}.log"
@@ -44,6 +46,7 @@ class RunHistory:
     def handle(self, event: Event) -> None:
         if isinstance(event, RunStarted):
             self._current = RunInfo(event.run_id, event.name, event.world_size, event.log_dir)
+            self._current.tracking, self._current.tracking_url = event.tracking, event.tracking_url
             _runs.append(self._current)
         elif self._current is None:
             return

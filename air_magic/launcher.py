@@ -62,6 +62,8 @@ class LaunchRequest:
     env: dict[str, str] = field(default_factory=dict)
     log_root: str | None = None
     grace_s: float = DEFAULT_GRACE_S
+    tracking: str | None = None  # for displays: the MLflow run, in words
+    tracking_url: str | None = None
 
 
 @dataclass
@@ -70,6 +72,7 @@ class RunResult:
 
     run_id: str
     log_dir: str
+    outcome: str  # 'succeeded', 'failed' or 'timeout'
     values: list[Any] | None = None
     error: BaseException | None = None
 
@@ -157,6 +160,8 @@ class _Run:
                 cpu_mode=plan.cpu_mode,
                 log_dir=self.log_dir,
                 name=self.request.name,
+                tracking=self.request.tracking,
+                tracking_url=self.request.tracking_url,
             )
         )
         lifeline_r, lifeline_w = os.pipe()
@@ -170,12 +175,12 @@ class _Run:
             outcome = self._watch()
             if outcome == "succeeded":
                 try:
-                    return RunResult(self.run_id, self.log_dir, values=self._results())
+                    return RunResult(self.run_id, self.log_dir, outcome, values=self._results())
                 except PayloadError as exc:
                     outcome, error = "failed", exc
             else:
                 error = self._error(outcome)
-            return RunResult(self.run_id, self.log_dir, error=error)
+            return RunResult(self.run_id, self.log_dir, outcome, error=error)
         except KeyboardInterrupt:
             outcome = "interrupted"
             self._stop(INTERRUPT_GRACE_S)

@@ -41,6 +41,9 @@ class DistributedMagics(Magics):
     @argument("--accelerator-type", default=None, help="e.g. GPU_8xH100; checked against this machine")
     @argument("--timeout", default=None, help="seconds, or 'none' (default 10800)")
     @argument("--display", default="auto", choices=DISPLAY_MODES, help="how rank output is shown")
+    @argument("--experiment", default=None, help="MLflow experiment name")
+    @argument("--run-name", default=None, help="MLflow run name")
+    @argument("--no-tracking", action="store_true", help="do not record an MLflow run")
     @argument("--push", default="", help="comma-separated names to send besides those detected")
     @argument("--pull", default=None, help="comma-separated names to bring back from rank 0")
     @argument("--no-pull", action="store_true", help="bring nothing back")
@@ -74,7 +77,7 @@ class DistributedMagics(Magics):
 
         bound = inspect.signature(cell_runner.run_cell).bind(source, filename, values, modules, pull)
         name = f"cell [{number}]"
-        outcomes = launch(name, cell_runner.run_cell, bound, settings).unwrap()
+        outcomes = launch(name, cell_runner.run_cell, bound, settings, kind="cell", source=cell).unwrap()
         return _bring_back(shell, outcomes, _ends_with_expression(tree), imported=set(_imported(tree)))
 
     @line_magic("distributed")  # type: ignore[arg-type]
@@ -91,6 +94,8 @@ class DistributedMagics(Magics):
             print(f"accelerators: {describe(gpus)}")
             print(f"log folder: {default_log_root()}")
             return None
+        if command == "mlflow-ui":
+            return _mlflow_ui()
         if command == "help":
             print(_HELP)
             return None
@@ -100,6 +105,7 @@ class DistributedMagics(Magics):
 _HELP = """%distributed status        the last run: outcome, time, each rank's state, log folder
 %distributed logs [RANK]   where the last run's logs are, or the end of one rank's log
 %distributed settings      what this machine has, where logs go
+%distributed mlflow-ui     start an MLflow UI on 127.0.0.1 over the local store; runs link to it
 %%distributed [options]    run the cell on every rank (%%distributed? lists the options)"""
 
 
@@ -117,6 +123,9 @@ def _settings(args: Any) -> Any:
         "num_accelerators": args.num_accelerators,
         "accelerator_type": args.accelerator_type,
         "display": args.display,
+        "tracking": not args.no_tracking,
+        "experiment": args.experiment,
+        "run_name": args.run_name,
     }
     if timeout is not ...:
         given["timeout"] = timeout
@@ -234,6 +243,22 @@ def _bring_back(
     return None if all(v is None for v in values) else values
 
 
+def _mlflow_ui() -> Any:
+    try:
+        import mlflow  # noqa: F401
+    except ImportError:
+        raise UsageError("MLflow is not installed: pip install 'air_magic[mlflow]'") from None
+    from air_magic import mlflow_ui, tracking
+
+    uri = tracking.current_uri()
+    base = mlflow_ui.start_ui(uri)
+    from IPython.display import HTML, display
+
+    display(HTML(f'<a href="{base}" target="_blank">MLflow UI</a> on {base} (store {uri})'))
+    print(f"MLflow UI: {base}")
+    return None
+
+
 def _status() -> None:
     info = history.last_run()
     if info is None:
@@ -246,6 +271,8 @@ def _status() -> None:
         print(f"  rank {rank}: {state} (exit code {info.rank_exit_codes.get(rank)})")
     if info.error:
         print(f"  error: {info.error.splitlines()[0]}")
+    if info.tracking:
+        print(f"  {info.tracking}")
 
 
 def _logs(args: list[str]) -> None:

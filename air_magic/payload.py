@@ -78,7 +78,8 @@ def cell_sources() -> dict[str, list[str]]:
     """
     sources: dict[str, list[str]] = {}
     total = 0
-    for name, entry in reversed(list(linecache.cache.items())):
+    # dict.copy() is one step under the GIL; other threads (warnings, logging) also use linecache.
+    for name, entry in reversed(list(linecache.cache.copy().items())):
         if len(entry) != 4 or entry[1] is not None:
             continue
         lines = list(entry[2])

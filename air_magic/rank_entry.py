@@ -22,7 +22,7 @@ import time
 import traceback
 from typing import Any, NoReturn
 
-from air_magic import serialization, wire
+from air_magic import rank_mlflow, serialization, wire
 
 # The launcher passes this to ``python -c``; argv[1] is the run directory.
 BOOTSTRAP = (
@@ -36,6 +36,7 @@ def main(run_dir: str) -> NoReturn:
     # A segfault in C code still leaves a Python stack in the rank's log.
     faulthandler.enable(all_threads=True)
     _watch_lifeline()
+    rank_mlflow.install()  # only a hook: mlflow is patched if and when the rank imports it
     rank = int(os.environ["RANK"])
     stage = "load"
     try:

@@ -36,6 +36,9 @@ class LaunchSettings:
     env: Mapping[str, str] = field(default_factory=dict)
     log_dir: str | None = None
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+    tracking: bool = True
+    experiment: str | None = None
+    run_name: str | None = None
 
     # The user's own spelling of every setting, so overrides re-validate as one.
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -59,6 +62,9 @@ def make_settings(base: Mapping[str, Any] | None = None, **given: Any) -> Launch
         env=_check_env(raw.get("env")),
         log_dir=_check_log_dir(raw.get("log_dir")),
         max_payload_bytes=_check_payload_limit(raw.get("max_payload_bytes", DEFAULT_MAX_PAYLOAD_BYTES)),
+        tracking=_check_bool("tracking", raw.get("tracking", True)),
+        experiment=_check_name("experiment", raw.get("experiment")),
+        run_name=_check_name("run_name", raw.get("run_name")),
         raw=raw,
     )
 
@@ -71,6 +77,9 @@ _FIELDS = {
     "env",
     "log_dir",
     "max_payload_bytes",
+    "tracking",
+    "experiment",
+    "run_name",
 }
 _LEGACY_NAMES = {"gpus": "num_accelerators", "gpu_type": "accelerator_type"}
 
@@ -169,3 +178,17 @@ def _check_payload_limit(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < 1:
         raise ConfigurationError(f"max_payload_bytes must be a positive integer, got {value!r}")
     return int(value)
+
+
+def _check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigurationError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def _check_name(name: str, value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigurationError(f"{name} must be a non-empty string, got {value!r}")
+    return value

@@ -64,6 +64,8 @@ class TextDisplay:
         elif not event.cpu_mode:
             where += f" on {event.detected}"
         self._note(f"running {event.name} on {where}")
+        if event.tracking:
+            self._note(event.tracking)
 
     def _output(self, event: RankOutput) -> None:
         if self._ranks is not None and event.rank not in self._ranks:

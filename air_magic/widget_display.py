@@ -172,12 +172,25 @@ class WidgetDisplay:
                 f'<tr><td>rank {r}</td><td style="color:{_COLORS[state]}">{GLYPHS[state]} {state.value}</td>'
                 f"<td>{took}</td><td>{html.escape(self._reasons[r])}</td></tr>"
             )
+        if run.tracking_url:
+            link = f' · <a href="{html.escape(run.tracking_url)}" target="_blank">MLflow run</a>'
+        elif run.tracking:
+            title, short = html.escape(run.tracking), html.escape(_run_id(run.tracking))
+            link = f' · <span title="{title}">MLflow run {short}</span>'
+        else:
+            link = ""
         return (
             f"<div><b>{html.escape(run.name)}</b> · {run.world_size} rank(s) · {html.escape(mode)} · "
-            f"{html.escape(outcome)} · {self._elapsed:.1f} s</div>"
+            f"{html.escape(outcome)} · {self._elapsed:.1f} s{link}</div>"
             '<table style="font-size:90%"><tr><th align=left>rank</th><th align=left>state</th>'
             "<th align=left>elapsed</th><th align=left>exit</th></tr>" + "".join(rows) + "</table>"
         )
+
+
+def _run_id(tracking: str) -> str:
+    # "MLflow run <id> in experiment ..." -> "<id>"
+    words = tracking.split()
+    return words[2] if len(words) > 2 else tracking
 
 
 def make_consumers(display: str) -> list[Any]:

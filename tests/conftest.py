@@ -27,11 +27,14 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.fixture(scope="session", autouse=True)
 def _private_dirs(tmp_path_factory: pytest.TempPathFactory):
-    """Logs and run directories of the whole session go to folders we can inspect."""
+    """Logs, run directories and the MLflow store of the session go to folders we can inspect."""
     logs = tmp_path_factory.mktemp("logs")
     runs = tmp_path_factory.mktemp("tmp")
     old_log, old_tmp = os.environ.get("AIR_MAGIC_LOG_DIR"), tempfile.tempdir
     os.environ["AIR_MAGIC_LOG_DIR"] = str(logs)
+    # MLflow: the embedded store in the session's folder; no telemetry file under $HOME.
+    os.environ["AIR_MAGIC_MLFLOW_DIR"] = str(tmp_path_factory.mktemp("mlflow"))
+    os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"
     tempfile.tempdir = str(runs)
     yield
     tempfile.tempdir = old_tmp

@@ -1,0 +1,99 @@
+"""Links to a call's MLflow run, and a real MLflow UI server over the embedded store.
+
+With an HTTP tracking URI the link points at that server. With a local store
+(the embedded sqlite one) there is no page to link to until
+``%distributed mlflow-ui`` (or :func:`start_ui`) starts ``mlflow server`` on
+127.0.0.1 on a free port, in the background, under ``air_magic.guard`` so it
+stops when this process ends; from then on runs link to it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+_servers: dict[str, str] = {}  # tracking URI -> UI base URL
+_lifelines: list[int] = []  # write ends, held open for this process's lifetime
+_guards: list[subprocess.Popen[bytes]] = []
+
+
+def run_url(uri: str, experiment_id: str, run_id: str) -> str | None:
+    base = uri.rstrip("/") if uri.startswith(("http://", "https://")) else _servers.get(uri)
+    if base is None:
+        return None
+    return f"{base}/#/experiments/{experiment_id}/runs/{run_id}"
+
+
+def start_ui(uri: str, timeout_s: float = 90.0) -> str:
+    """Start (once) an MLflow UI server for ``uri`` on loopback; return its base URL."""
+    if uri in _servers:
+        return _servers[uri]
+    if uri.startswith(("http://", "https://")):
+        return uri.rstrip("/")
+    from air_magic.tracking import embedded_dir
+
+    os.makedirs(embedded_dir(), mode=0o700, exist_ok=True)
+    log_path = os.path.join(embedded_dir(), "ui.log")
+    port = _free_port()
+    command = [
+        sys.executable, "-m", "mlflow", "server",
+        "--backend-store-uri", uri,
+        "--host", "127.0.0.1", "--port", str(port),
+        "--workers", "1",
+    ]  # fmt: skip
+    lifeline, keep = os.pipe()
+    _lifelines.append(keep)
+    try:
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "air_magic.guard", str(lifeline), "--", *command],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                pass_fds=(lifeline,),
+                start_new_session=True,
+            )
+    finally:
+        os.close(lifeline)
+    _guards.append(proc)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the MLflow UI server exited with status {proc.returncode}; see {log_path}")
+        try:
+            with urllib.request.urlopen(f"{base}/health", timeout=2) as reply:
+                if reply.status == 200:
+                    break
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the MLflow UI server did not answer within {timeout_s:g} s; see {log_path}")
+        time.sleep(0.2)
+    _servers[uri] = base
+    return base
+
+
+def _free_port() -> int:
+    # The kernel picks a free port; mlflow binds it a moment later (a small window, on loopback).
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def stop_ui() -> None:
+    """Stop every UI server this process started (they also stop when it exits)."""
+    while _lifelines:
+        os.close(_lifelines.pop())
+    while _guards:
+        proc = _guards.pop()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    _servers.clear()
