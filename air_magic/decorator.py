@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar, overload
 
-from air_magic import tracking
+from air_magic import tracking, wire
 from air_magic.accelerators import AcceleratorType, plan_accelerators
-from air_magic.errors import DirectCallError
+from air_magic.errors import ConfigurationError, DirectCallError
 from air_magic.events import Consumer, EventBus
 from air_magic.history import RunHistory
 from air_magic.launcher import LaunchRequest, LocalLauncher, RunResult
@@ -81,6 +82,12 @@ def launch(
     source: str | None = None,
 ) -> RunResult:
     """Plan, pack, track and run one call; shared by the decorator and the cell magic."""
+    inside = os.environ.get(wire.ENV_RUN_ID)
+    if inside:
+        raise ConfigurationError(
+            f"{name}.distributed() was called inside rank {os.environ.get('RANK', '?')} of run {inside}: "
+            "a rank cannot start ranks of its own. Call the function directly there (fn.func(...))."
+        )
     plan = plan_accelerators(settings.num_accelerators, settings.accelerator_type)
     payload = build_payload(func, bound, settings.max_payload_bytes)
     tracked = None
@@ -104,6 +111,7 @@ def launch(
         log_root=settings.log_dir,
         tracking=tracked.describe() if tracked else None,
         tracking_url=tracked.url if tracked else None,
+        mlflow_run_id=tracked.run_id if tracked else None,
     )
     consumers = _consumers(settings)
     if tracked is not None:

@@ -36,6 +36,7 @@ class RunStarted:
     name: str
     tracking: str | None = None  # what and where the MLflow run is, in words
     tracking_url: str | None = None  # a page for it, when there is one
+    mlflow_run_id: str | None = None
 
 
 @dataclass(frozen=True)

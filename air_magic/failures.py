@@ -10,6 +10,7 @@ the rank's traceback as ``__cause__``, or into a :class:`RankFailedError`.
 from __future__ import annotations
 
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from air_magic import serialization
@@ -39,12 +40,44 @@ class RankFailure:
     record: ErrorRecord | None
 
 
-def root_cause(failures: list[RankFailure]) -> RankFailure:
-    return min(failures, key=lambda f: (f.time, f.rank))
-
-
 def build_exception(
-    failure: RankFailure, *, world_size: int, log_path: str, last_lines: list[str]
+    failures: list[RankFailure],
+    *,
+    world_size: int,
+    log_path: Callable[[int], str],
+    last_lines: Callable[[int], list[str]],
+) -> BaseException:
+    """The error for the earliest failure; later ones are summed up in a note.
+
+    Every failure, earliest first, is on the exception as ``air_magic_failures``:
+    ``(rank, time, summary)`` tuples.
+    """
+    ordered = sorted(failures, key=lambda f: (f.time, f.rank))
+    failure, others = ordered[0], ordered[1:]
+    exc = _exception_for(failure, world_size, log_path(failure.rank), last_lines(failure.rank))
+    summary = [(f.rank, f.time, _summary(f)) for f in ordered]
+    extra: list[str] = []
+    if others:
+        shown = "; ".join(f"rank {f.rank}: {_summary(f)}" for f in others[:3])
+        more = f" and {len(others) - 3} more" if len(others) > 3 else ""
+        extra.append(f"[air_magic] after it, {len(others)} other rank(s) failed too: {shown}{more}")
+        add_note(exc, extra[0])
+    _set(exc, "air_magic_failures", summary)
+    rendered = getattr(exc, "_render_traceback_", None)
+    if rendered is not None and extra:
+        lines = rendered()
+        _set(exc, "_render_traceback_", lambda: [*lines, *extra])
+    return exc
+
+
+def _summary(failure: RankFailure) -> str:
+    if failure.record is not None:
+        return f"{failure.record.type_name.rsplit('.', 1)[-1]}: {failure.record.message}"[:200]
+    return exit_words(failure.exit_code)
+
+
+def _exception_for(
+    failure: RankFailure, world_size: int, log_path: str, last_lines: list[str]
 ) -> BaseException:
     rank = failure.rank
     where = f"rank {rank} of {world_size}"
@@ -57,7 +90,10 @@ def build_exception(
         if isinstance(exc, Exception):
             note = f"[air_magic] raised on {where}; full log: {log_path}"
             add_note(exc, note)
-            _tag(exc, rank, [*cause.text.splitlines(), note])
+            _set(exc, "air_magic_rank", rank)
+            # IPython shows this instead of air_magic's frames in the kernel.
+            rendered = [*cause.text.splitlines(), note]
+            _set(exc, "_render_traceback_", lambda: rendered)
             exc.__cause__ = cause
             return exc
         stage = {"load": " while loading the function and its arguments", "result": ""}.get(record.stage, "")
@@ -89,17 +125,21 @@ def _rebuild(record: ErrorRecord) -> BaseException | None:
     return exc if isinstance(exc, BaseException) else None
 
 
-def _tag(exc: BaseException, rank: int, rendered: list[str]) -> None:
-    """Mark a rebuilt exception with its rank, and how IPython should show it.
-
-    ``_render_traceback_`` makes a notebook show the rank's traceback (which ends
-    with the exception itself) instead of air_magic's frames in the kernel.
-    """
+def _set(exc: BaseException, name: str, value: object) -> None:
+    # Some exception types refuse new attributes (__slots__); they go without.
     try:
-        exc.air_magic_rank = rank  # type: ignore[attr-defined]
-        exc._render_traceback_ = lambda: rendered  # type: ignore[attr-defined]
+        setattr(exc, name, value)
     except (AttributeError, TypeError):
         pass
+
+
+def exit_words(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with status {code} without a result"
 
 
 def _death_message(where: str, code: int | None, log_path: str, last_lines: list[str]) -> str:

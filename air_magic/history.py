@@ -29,6 +29,7 @@ class RunInfo:
     values: list[Any] | None = None  # a %%distributed cell's last-expression values, per rank
     tracking: str | None = None  # the MLflow run, in words
     tracking_url: str | None = None
+    mlflow_run_id: str | None = None
 
     def log_path(self, rank: int) -> str:
         return f"{self.log_dir}/rank-{rank}.log"
@@ -47,6 +48,7 @@ class RunHistory:
         if isinstance(event, RunStarted):
             self._current = RunInfo(event.run_id, event.name, event.world_size, event.log_dir)
             self._current.tracking, self._current.tracking_url = event.tracking, event.tracking_url
+            self._current.mlflow_run_id = event.mlflow_run_id
             _runs.append(self._current)
         elif self._current is None:
             return

@@ -39,7 +39,7 @@ from air_magic import rank_entry, serialization, wire
 from air_magic.accelerators import AcceleratorPlan
 from air_magic.errors import DistributedTimeoutError, LaunchError, PayloadError
 from air_magic.events import EventBus, RankExited, RankStarted, RankState, RunFinished, RunStarted, Tick
-from air_magic.failures import RankFailure, build_exception, root_cause
+from air_magic.failures import RankFailure, build_exception, exit_words
 from air_magic.output import OutputRouter, make_log_dir
 from air_magic.process_tree import DEFAULT_GRACE_S, DescendantTracker, stop_trees
 from air_magic.rank_env import rank_environment
@@ -64,6 +64,7 @@ class LaunchRequest:
     grace_s: float = DEFAULT_GRACE_S
     tracking: str | None = None  # for displays: the MLflow run, in words
     tracking_url: str | None = None
+    mlflow_run_id: str | None = None
 
 
 @dataclass
@@ -162,6 +163,7 @@ class _Run:
                 name=self.request.name,
                 tracking=self.request.tracking,
                 tracking_url=self.request.tracking_url,
+                mlflow_run_id=self.request.mlflow_run_id,
             )
         )
         lifeline_r, lifeline_w = os.pipe()
@@ -376,14 +378,15 @@ class _Run:
         )
         self._stop(self.request.grace_s)
         self._drain()
-        failure = root_cause(self._failures(first_failure_at))
-        self.failed_rank = failure.rank
-        return build_exception(
-            failure,
+        failures = self._failures(first_failure_at)
+        error = build_exception(
+            failures,
             world_size=self.world,
-            log_path=self.router.log_path(failure.rank),
-            last_lines=self.router.tails[failure.rank].last(10),
+            log_path=self.router.log_path,
+            last_lines=lambda rank: self.router.tails[rank].last(10),
         )
+        self.failed_rank = min(failures, key=lambda f: (f.time, f.rank)).rank
+        return error
 
     def _failures(self, teardown_at: float) -> list[RankFailure]:
         """Every rank that failed on its own: it reported an error, or died before teardown began."""
@@ -401,13 +404,6 @@ class _Run:
 def _exit_reason(code: int | None, ok: bool) -> str:
     if ok:
         return "returned"
-    if code is not None and code < 0:
-        import signal
-
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
     if code == 1:
         return "raised an exception"
-    return f"exited with status {code} without a result"
+    return exit_words(code)

@@ -40,6 +40,7 @@ def main(run_dir: str) -> NoReturn:
     rank = int(os.environ["RANK"])
     stage = "load"
     try:
+        _check_private(run_dir)
         with open(os.path.join(run_dir, wire.PAYLOAD_FILE), "rb") as f:
             fn, args, kwargs, sources = serialization.loads(f.read())
         for name, lines in sources.items():  # notebook cells: tracebacks show their lines
@@ -53,6 +54,16 @@ def main(run_dir: str) -> NoReturn:
         _exit(1)
     wire.write_atomically(wire.result_path(run_dir, rank), data)
     _exit(0)
+
+
+def _check_private(run_dir: str) -> None:
+    """Unpickle only from a folder no one else can write: ours, and closed to others (0700)."""
+    info = os.stat(run_dir)
+    if info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise PermissionError(
+            f"refusing to load the payload: {run_dir} is not a private folder of this user "
+            f"(owner uid {info.st_uid}, mode {oct(info.st_mode & 0o777)})"
+        )
 
 
 def _dump_result(result: Any, rank: int) -> bytes:

@@ -24,11 +24,13 @@ with a one-line note.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import importlib.metadata
 import os
 import platform
 import re
+import socket
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -41,6 +43,8 @@ from air_magic.rank_mlflow import ENV_SHARED
 
 _STATUS = {"succeeded": "FINISHED", "failed": "FAILED", "timeout": "FAILED", "interrupted": "KILLED"}
 _missing_said = False
+_reaped: set[str] = set()  # tracking URIs already checked for runs whose caller died
+_live: list[TrackedRun] = []  # runs of this process not yet ended (for atexit)
 
 
 def embedded_dir() -> str:
@@ -87,6 +91,8 @@ class TrackedRun:
         if self.finished:
             return
         self.finished = True
+        if self in _live:
+            _live.remove(self)
         tags = {"air_magic.outcome": outcome}
         if self.failed_rank is not None:
             tags["air_magic.failed_rank"] = str(self.failed_rank)
@@ -134,9 +140,14 @@ def start_run(
     active = mlflow.active_run()
     uri = _tracking_uri(mlflow, active)
     client = MlflowClient(tracking_uri=uri)
+    if uri not in _reaped:
+        _reaped.add(uri)
+        _end_orphaned_runs(client)
     experiment_id = _experiment_id(mlflow, client, uri, active, experiment)
     tags = {"mlflow.source.name": name, "mlflow.source.type": "NOTEBOOK" if kind == "cell" else "LOCAL"}
     tags["air_magic.kind"] = kind
+    tags["air_magic.host"] = socket.gethostname()
+    tags["air_magic.caller"] = _caller_id()
     if active is not None and active.info.experiment_id == experiment_id:
         tags["mlflow.parentRunId"] = active.info.run_id
     run = client.create_run(experiment_id, run_name=run_name or _run_name(name), tags=tags)
@@ -166,7 +177,66 @@ def start_run(
     from air_magic import mlflow_ui
 
     url = mlflow_ui.run_url(uri, experiment_id, run_id)
-    return TrackedRun(client, run_id, experiment_id, uri, url, env)
+    tracked = TrackedRun(client, run_id, experiment_id, uri, url, env)
+    _live.append(tracked)
+    return tracked
+
+
+def _caller_id() -> str:
+    """This process, in a form that survives pid reuse: ``pid:start-time``."""
+    import psutil
+
+    me = psutil.Process()
+    return f"{me.pid}:{me.create_time():.3f}"
+
+
+def _end_orphaned_runs(client: Any) -> None:
+    """Mark KILLED the runs of this machine whose caller died mid-call (kernel killed or restarted).
+
+    A process killed with SIGKILL cannot end its own run; the next process that
+    tracks into the same store does it for it, once, on its first call.
+    """
+    import psutil
+
+    try:
+        experiments = [e.experiment_id for e in client.search_experiments()]
+        if not experiments:
+            return
+        host = socket.gethostname().replace("'", "")
+        runs = client.search_runs(
+            experiments,
+            filter_string=f"attributes.status = 'RUNNING' and tags.`air_magic.host` = '{host}'",
+            max_results=200,
+        )
+        for run in runs:
+            caller = run.data.tags.get("air_magic.caller", "")
+            pid_text, _, started = caller.partition(":")
+            try:
+                caller_proc = psutil.Process(int(pid_text))
+                # Same pid and start time, and not a zombie (dead, waiting for its parent to reap it).
+                alive = (
+                    f"{caller_proc.create_time():.3f}" == started
+                    and caller_proc.status() != psutil.STATUS_ZOMBIE
+                )
+            except (ValueError, psutil.Error):
+                alive = False
+            if not alive:
+                client.set_tag(run.info.run_id, "air_magic.outcome", "caller ended")
+                client.set_tag(
+                    run.info.run_id,
+                    "air_magic.error",
+                    "the process that made this call ended before the call did (kernel restart or kill)",
+                )
+                client.set_terminated(run.info.run_id, "KILLED")
+    except Exception as exc:  # noqa: BLE001 - housekeeping must never stop a call
+        _warn(f"could not check for runs left RUNNING by ended processes: {exc}")
+
+
+@atexit.register
+def _end_live_runs() -> None:
+    """A caller that exits in an orderly way mid-call (kernel shutdown) ends its runs as KILLED."""
+    for tracked in list(_live):
+        tracked.finish("interrupted")
 
 
 def current_uri() -> str:

@@ -88,3 +88,13 @@ def no_leftovers():
     assert not described, f"processes left behind: {described}"
     stray = [n for n in os.listdir(tempfile.gettempdir()) if n.startswith("air_magic-")]
     assert not stray, f"run directories left behind: {stray}"
+
+
+def mlflow_status(info) -> str:
+    """The MLflow status of a run's call, read back from the session's embedded store."""
+    from mlflow.tracking import MlflowClient
+
+    from air_magic.tracking import embedded_uri
+
+    assert info is not None and info.mlflow_run_id, "the call was not tracked"
+    return MlflowClient(embedded_uri()).get_run(info.mlflow_run_id).info.status

@@ -9,6 +9,7 @@ import sys
 import time
 
 import psutil
+import pytest
 
 CALLER = os.path.join(os.path.dirname(__file__), "helpers", "caller.py")
 
@@ -44,6 +45,9 @@ def _gone_within(pids, seconds):
     return alive
 
 
+@pytest.mark.fault(
+    "SIGINT (Ctrl-C) to a caller script", "KeyboardInterrupt within seconds; ranks and their children gone"
+)
 def test_sigint_to_the_caller_stops_every_rank_and_raises_keyboard_interrupt(tmp_path):
     proc, pids = _start_caller(tmp_path)
     sent = time.monotonic()
@@ -55,6 +59,7 @@ def test_sigint_to_the_caller_stops_every_rank_and_raises_keyboard_interrupt(tmp
     assert _gone_within(pids, 1) == []
 
 
+@pytest.mark.fault("SIGKILL of a caller script", "ranks and their children gone within 5 s")
 def test_sigkill_of_the_caller_takes_every_rank_and_child_within_5_s(tmp_path):
     proc, pids = _start_caller(tmp_path)
     proc.kill()

@@ -12,14 +12,23 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import mlflow_status
 
 import air_magic
 from air_magic import DistributedTimeoutError, RankFailedError, RemoteTraceback, distributed
 
 
 def run(fn, *args, n=2, **settings):
+    """Call ``fn`` on ``n`` ranks; when a launched call fails, its MLflow run must say FAILED."""
     settings.setdefault("display", "none")
-    return distributed(num_accelerators=n, **settings)(fn).distributed(*args)
+    before = air_magic.last_run()
+    try:
+        return distributed(num_accelerators=n, **settings)(fn).distributed(*args)
+    except Exception:
+        after = air_magic.last_run()
+        if after is not before and after.mlflow_run_id:
+            assert mlflow_status(after) == "FAILED"
+        raise
 
 
 def _raise_on(rank_to_fail):
@@ -31,6 +40,9 @@ def _raise_on(rank_to_fail):
     time.sleep(60)
 
 
+@pytest.mark.fault(
+    "a rank raises", "its own exception type, its traceback as __cause__, the rank named; the others stopped"
+)
 def test_rank_raises_original_type_with_remote_traceback():
     started = time.monotonic()
     with pytest.raises(ValueError, match="bad value on rank 1") as info:
@@ -58,6 +70,10 @@ def _raise_odd():
     raise OddError(7, "detail")
 
 
+@pytest.mark.fault(
+    "an exception with an unusual __init__ (cannot be unpickled)",
+    "RankFailedError carrying the type, message and traceback",
+)
 def test_exception_that_cannot_be_rebuilt_becomes_rank_failed_error_with_the_text():
     with pytest.raises(RankFailedError) as info:
         run(_raise_odd)
@@ -78,6 +94,7 @@ def _exit_with(code):
     time.sleep(60)
 
 
+@pytest.mark.fault("os._exit(0) before returning", "RankFailedError: status 0 without a result; never a hang")
 def test_exit_zero_without_a_result_is_a_failure_not_a_hang():
     with pytest.raises(RankFailedError, match="status 0 without returning a result") as info:
         run(_exit_with, 0)
@@ -85,6 +102,7 @@ def test_exit_zero_without_a_result_is_a_failure_not_a_hang():
     assert "about to exit" in str(info.value)
 
 
+@pytest.mark.fault("os._exit(3)", "RankFailedError naming status 3")
 def test_exit_with_status():
     with pytest.raises(RankFailedError, match="status 3") as info:
         run(_exit_with, 3)
@@ -102,6 +120,9 @@ def _segfault():
     time.sleep(60)
 
 
+@pytest.mark.fault(
+    "SIGSEGV in native code", "RankFailedError naming SIGSEGV; faulthandler's stack in the log"
+)
 def test_sigsegv_is_named_and_faulthandler_stack_is_logged():
     with pytest.raises(RankFailedError, match="SIGSEGV") as info:
         run(_segfault)
@@ -120,6 +141,9 @@ def _sigkill_self():
     time.sleep(60)
 
 
+@pytest.mark.fault(
+    "SIGKILL (what the out-of-memory killer sends)", "RankFailedError naming SIGKILL and the likely OOM cause"
+)
 def test_sigkill_names_the_likely_oom_killer():
     with pytest.raises(RankFailedError, match=r"SIGKILL.*out-of-memory") as info:
         run(_sigkill_self)
@@ -134,6 +158,10 @@ def _hang():
     time.sleep(600)
 
 
+@pytest.mark.fault(
+    "a hang, stopped by timeout",
+    "DistributedTimeoutError listing the ranks still running and their last lines",
+)
 def test_timeout_stops_every_rank_and_lists_their_last_lines():
     started = time.monotonic()
     with pytest.raises(DistributedTimeoutError) as info:
@@ -155,6 +183,7 @@ def _staggered_failures():
     raise RuntimeError(f"rank {rank} failed")
 
 
+@pytest.mark.fault("ranks fail one after another", "the earliest failure is raised")
 def test_root_cause_is_the_earliest_failure():
     with pytest.raises(RuntimeError, match="rank 2 failed") as info:
         run(_staggered_failures, n=3)
@@ -175,6 +204,10 @@ def _fails_before_collective():
     return t.item()
 
 
+@pytest.mark.fault(
+    "a rank raises while its peer waits in a gloo collective",
+    "that rank's error, not the peer's connection error",
+)
 def test_collective_abort_in_the_others_is_not_the_root_cause():
     with pytest.raises(KeyError, match="rank 1 lost its key") as info:
         run(_fails_before_collective)
@@ -196,6 +229,9 @@ def _killed_during_collective():
     return t.item()
 
 
+@pytest.mark.fault(
+    "a rank is SIGKILLed while its peer waits in a collective", "the killed rank is the root cause"
+)
 def test_a_killed_rank_is_the_root_cause_not_its_peers_connection_error():
     with pytest.raises(RankFailedError, match="SIGKILL") as info:
         run(_killed_during_collective)
@@ -218,6 +254,9 @@ def _spawns_children_then_fails():
     time.sleep(60)
 
 
+@pytest.mark.fault(
+    "a failing rank's children (DataLoader-like, and one that left the group)", "all stopped with the rank"
+)
 def test_a_failing_ranks_children_are_stopped_too():
     # no_leftovers checks that every sleep above is gone.
     with pytest.raises(RuntimeError, match="failing with children"):
@@ -232,6 +271,7 @@ def _leaves_children_behind():
     return "done"
 
 
+@pytest.mark.fault("a successful rank leaves children running", "all stopped after the call")
 def test_children_left_by_a_successful_rank_are_stopped():
     assert run(_leaves_children_behind) == ["done", "done"]
 
@@ -242,6 +282,7 @@ def _system_exit():
     sys.exit(0)
 
 
+@pytest.mark.fault("sys.exit() in a rank", "RankFailedError; the caller keeps running")
 def test_sys_exit_in_a_rank_does_not_exit_the_caller():
     with pytest.raises(RankFailedError, match="SystemExit"):
         run(_system_exit)
@@ -253,11 +294,13 @@ def _returns_lock():
     return {"ok": 1, "lock": threading.Lock()}
 
 
+@pytest.mark.fault("an unpicklable return value", "PayloadError naming the part that cannot be pickled")
 def test_unpicklable_return_value_is_named():
     with pytest.raises(air_magic.PayloadError, match=r"return value\[.lock.\] cannot be sent back"):
         run(_returns_lock)
 
 
+@pytest.mark.fault("an unpicklable argument", "PayloadError naming its path; nothing starts")
 def test_unpicklable_argument_is_named_before_launch():
     import threading
 
@@ -281,6 +324,9 @@ def _uses_global_lock():
     return _GLOBAL_LOCK.locked()
 
 
+@pytest.mark.fault(
+    "an unpicklable global of a notebook function", "PayloadError naming the global; nothing starts"
+)
 def test_unpicklable_global_of_a_notebook_style_function_is_named():
     # Re-home the function in __main__, as a notebook cell would define it: cloudpickle sends it by value.
     fn = type(_uses_global_lock)(
@@ -290,6 +336,7 @@ def test_unpicklable_global_of_a_notebook_style_function_is_named():
         distributed(display="none")(fn).distributed()
 
 
+@pytest.mark.fault("a payload over the size limit", "PayloadError listing the largest parts; nothing starts")
 def test_payload_over_the_limit_lists_the_largest_parts():
     with pytest.raises(
         air_magic.PayloadError, match=r"over the limit.*argument 'data': 2\.0 MiB.*inside the function"
@@ -313,6 +360,7 @@ def _stuck_in_a_collective():
     dist.all_reduce(t)
 
 
+@pytest.mark.fault("a hang in a gloo collective", "stopped by the timeout")
 def test_hang_in_a_gloo_collective_is_stopped_by_the_timeout():
     with pytest.raises(DistributedTimeoutError) as info:
         run(_stuck_in_a_collective, timeout=8)
@@ -340,11 +388,15 @@ def _escaped_child_then_sigkill():
     time.sleep(60)
 
 
+@pytest.mark.fault(
+    "a SIGKILLed rank's children that left its process group", "stopped too (seen while the run went)"
+)
 def test_escaped_children_of_a_sigkilled_rank_are_stopped():
     with pytest.raises(RankFailedError, match="SIGKILL"):
         run(_escaped_child_then_sigkill)
 
 
+@pytest.mark.fault("an unwritable log directory", "ConfigurationError before anything starts")
 def test_unwritable_log_dir_fails_before_launch(tmp_path):
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o500)

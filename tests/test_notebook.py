@@ -7,9 +7,7 @@ the tabs' final contents can be read back from the notebook's metadata.
 from __future__ import annotations
 
 import os
-import queue
 import time
-from pathlib import Path
 
 import psutil
 import pytest
@@ -17,9 +15,8 @@ import pytest
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 pytest.importorskip("ipywidgets")
-from jupyter_client.manager import start_new_kernel  # noqa: E402
+from helpers.kernel import EXAMPLES, Kernel  # noqa: E402
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
 
 
@@ -56,43 +53,6 @@ def test_the_example_notebook_runs_with_one_live_tab_per_rank():
         assert bar == "training [####################] step 20/20 loss 0.0029\n"
     headers = [h["value"] for h in widget_models(nb, "HTMLModel") if "rank(s)" in h["value"]]
     assert all("succeeded" in h for h in headers)
-
-
-class Kernel:
-    """A kernel driven message by message, for what nbclient does not expose."""
-
-    def __init__(self):
-        self.km, self.kc = start_new_kernel(kernel_name="python3", cwd=str(EXAMPLES))
-
-    def run(self, code, timeout=120, on_message=None):
-        msg_id = self.kc.execute(code)
-        counts: dict[str, int] = {}
-        reply = None
-        deadline = time.monotonic() + timeout
-        idle = False
-        while not (idle and reply is not None):
-            left = deadline - time.monotonic()
-            assert left > 0, f"timed out; messages so far {counts}"
-            try:
-                msg = self.kc.get_iopub_msg(timeout=min(left, 1))
-            except queue.Empty:
-                msg = None
-            if msg is not None and msg["parent_header"].get("msg_id") == msg_id:
-                counts[msg["msg_type"]] = counts.get(msg["msg_type"], 0) + 1
-                if on_message:
-                    on_message(msg)
-                if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
-                    idle = True
-            if reply is None:
-                try:
-                    reply = self.kc.get_shell_msg(timeout=0.01)
-                except queue.Empty:
-                    pass
-        return reply["content"], counts
-
-    def close(self):
-        self.kc.stop_channels()
-        self.km.shutdown_kernel(now=True)
 
 
 @pytest.fixture
@@ -144,6 +104,10 @@ def test_after_a_failed_cell_the_kernel_runs_the_next_one(kernel):
     assert reply["status"] == "ok"
 
 
+@pytest.mark.fault(
+    "100 000 lines into the live tabs of a kernel",
+    "every line logged; a bounded number of messages to the browser",
+)
 def test_a_flood_of_output_keeps_every_line_and_bounds_the_kernels_messages(kernel):
     lines = 50_000
     kernel.run("%load_ext air_magic\nimport air_magic")

@@ -134,6 +134,7 @@ def test_failed_on_a_rank_error_and_on_timeout(store):
     assert run.info.status == "FAILED" and run.data.tags["air_magic.outcome"] == "timeout"
 
 
+@pytest.mark.fault("an interrupted tracked call", "the MLflow run ends KILLED")
 def test_killed_on_interrupt(store, tmp_path):
     ready = tmp_path / "ready"
     ready.mkdir()

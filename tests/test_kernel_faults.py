@@ -1,0 +1,199 @@
+"""Fault matrix cases that need a real Jupyter kernel: the cell magic's failures, restarts, kills.
+
+Each checks what the user sees (the reply's error and traceback), that every
+rank is gone within 5 s, that the kernel (or its replacement) still works, and
+the MLflow run's final status.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+from conftest import mlflow_status
+
+pytest.importorskip("ipykernel")
+from helpers.kernel import Kernel
+
+from air_magic.history import RunInfo
+
+fault = pytest.mark.fault
+
+WAIT_FOR_RANKS = (
+    "%%distributed -n 2 --display text\n"
+    "import os, time\n"
+    "print(f'pid={os.getpid()} run={os.environ[\"MLFLOW_RUN_ID\"]}', flush=True)\n"
+    "time.sleep(300)\n"
+)
+
+
+def _gone_within(pids, seconds=5.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _run_id_status(run_id: str) -> str:
+    return mlflow_status(RunInfo("", "", 0, "", mlflow_run_id=run_id))
+
+
+def _start_and_wait(kernel: Kernel, then) -> tuple[list[int], str, str]:
+    """Send WAIT_FOR_RANKS; once both ranks printed their pid, call ``then()`` and return.
+
+    Returns the ranks' pids, the call's MLflow run id and the execute request's id.
+    """
+    msg_id = kernel.kc.execute(WAIT_FOR_RANKS)
+    pids: list[int] = []
+    run_ids: set[str] = set()
+    deadline = time.monotonic() + 90
+    while len(pids) < 2:
+        assert time.monotonic() < deadline, "the ranks did not start"
+        try:
+            msg = kernel.kc.get_iopub_msg(timeout=1)
+        except queue.Empty:
+            continue
+        if msg["parent_header"].get("msg_id") != msg_id or msg["msg_type"] != "stream":
+            continue
+        for line in msg["content"]["text"].splitlines():
+            if "pid=" in line:
+                pid, run = line.split("pid=")[1].split(" run=")
+                pids.append(int(pid))
+                run_ids.add(run)
+    then()
+    assert len(run_ids) == 1
+    return pids, run_ids.pop(), msg_id
+
+
+@pytest.fixture
+def kernel(tmp_path):
+    k = Kernel(cwd=tmp_path)
+    k.run("%load_ext air_magic\nimport air_magic")
+    yield k
+    k.close()
+
+
+@fault(
+    "the notebook's stop button (interrupt_kernel) mid-run",
+    "KeyboardInterrupt; ranks gone; run KILLED; kernel usable",
+)
+def test_interrupt_mid_run(kernel):
+    pids, run_id, msg_id = _start_and_wait(kernel, kernel.km.interrupt_kernel)
+    reply = kernel.kc.get_shell_msg(timeout=60)
+    assert reply["parent_header"]["msg_id"] == msg_id
+    assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "KeyboardInterrupt"
+    assert _gone_within(pids)
+    assert _run_id_status(run_id) == "KILLED"
+    reply, _ = kernel.run("1 + 1")
+    assert reply["status"] == "ok"
+
+
+def _restart_in_background(kernel: Kernel):
+    # restart_kernel waits for the old kernel to go: do it beside the test, which watches the ranks.
+    threading.Thread(target=kernel.km.restart_kernel, kwargs={"now": True}, daemon=True).start()
+
+
+@fault("kernel restart mid-run", "every rank gone within 5 s; the run is marked KILLED by the next call")
+def test_kernel_restart_mid_run(kernel):
+    old_pid = kernel.pid
+    pids, run_id, _ = _start_and_wait(kernel, lambda: _restart_in_background(kernel))
+    assert _gone_within(pids)
+    deadline = time.monotonic() + 60
+    while (kernel.pid == old_pid or not kernel.km.is_alive()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    kernel.kc.wait_for_ready(timeout=60)
+    reply, _ = kernel.run(
+        "%load_ext air_magic\n%%distributed -n 2 --display none\n1\n".replace("\n%%", "\n\n%%")
+    )
+    reply, _ = kernel.run("%%distributed -n 2 --display none\n1\n")
+    assert reply["status"] == "ok"
+    assert _run_id_status(run_id) == "KILLED"
+
+
+@fault("kernel SIGKILL mid-run", "every rank gone within 5 s; the run is marked KILLED by the next call")
+def test_kernel_sigkill_mid_run(kernel, tmp_path):
+    pids, run_id, _ = _start_and_wait(kernel, lambda: os.kill(kernel.pid, signal.SIGKILL))
+    assert _gone_within(pids)
+    fresh = Kernel(cwd=tmp_path)
+    try:
+        reply, _ = fresh.run("%load_ext air_magic")
+        reply, _ = fresh.run("%%distributed -n 2 --display none\n1\n")
+        assert reply["status"] == "ok"
+    finally:
+        fresh.close()
+    assert _run_id_status(run_id) == "KILLED"
+
+
+@fault("two kernels launching at once", "both succeed, each on its own rendezvous port")
+def test_two_kernels_at_once(kernel, tmp_path):
+    other = Kernel(cwd=tmp_path)
+    try:
+        other.run("%load_ext air_magic")
+        cell = (
+            "%%distributed -n 2 --display none\n"
+            "import os, torch, torch.distributed as dist\n"
+            "dist.init_process_group('gloo')\n"
+            "t = torch.ones(1)\n"
+            "dist.all_reduce(t)\n"
+            "dist.destroy_process_group()\n"
+            "(t.item(), os.environ['MASTER_PORT'])\n"
+        )
+        first = kernel.kc.execute(cell)
+        second = other.kc.execute(cell)
+        replies = [kernel.kc.get_shell_msg(timeout=120), other.kc.get_shell_msg(timeout=120)]
+        assert [r["parent_header"]["msg_id"] for r in replies] == [first, second]
+        assert all(r["content"]["status"] == "ok" for r in replies), replies
+    finally:
+        other.close()
+
+
+CELL_FAULTS = {
+    "raise": (
+        "import os\nif os.environ['RANK'] == '1':\n    raise ValueError('cell failed')\n",
+        "ValueError",
+    ),
+    "exit": (
+        "import os\nif os.environ['RANK'] == '0':\n    os._exit(3)\nimport time\ntime.sleep(60)\n",
+        "RankFailedError",
+    ),
+    "sigkill": (
+        "import os, signal, time\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "time.sleep(60)\n",
+        "RankFailedError",
+    ),
+    "timeout": ("import time\ntime.sleep(60)\n", "DistributedTimeoutError"),
+    "unpicklable-name": ("print(guard)\n", "PayloadError"),
+}
+
+
+@fault(
+    "the cell magic: a rank raises, exits, is SIGKILLed, times out; an unpicklable name",
+    "the error names the rank and cause; kernel usable; run FAILED",
+)
+@pytest.mark.parametrize("case", sorted(CELL_FAULTS))
+def test_cell_magic_failures_in_a_kernel(kernel, case):
+    body, ename = CELL_FAULTS[case]
+    kernel.run("import threading\nguard = threading.Lock()")
+    reply, _ = kernel.run(f"%%distributed -n 2 --timeout 3 --display none\n{body}")
+    assert reply["status"] == "error" and reply["ename"] == ename, reply
+    shown = "\n".join(reply["traceback"])
+    if case == "unpicklable-name":
+        assert "notebook variable 'guard'" in shown
+    else:
+        assert "rank" in shown
+        texts: list[str] = []
+        kernel.run(
+            "print(air_magic.last_run().mlflow_run_id)",
+            on_message=lambda m: texts.append(m["content"]["text"]) if m["msg_type"] == "stream" else None,
+        )
+        assert _run_id_status("".join(texts).strip()) == "FAILED"
+    assert kernel.run("2 + 2")[0]["status"] == "ok"
