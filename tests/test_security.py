@@ -43,7 +43,7 @@ def test_the_only_socket_of_a_call_is_the_loopback_store_and_the_payload_does_no
         assert listening == [("LISTEN", "127.0.0.1", port, None)]
         # The rest is the store's own client connection to itself (torch's TCPStore makes one):
         # loopback only.
-        for status, local_ip, local_port, remote_ip in seen["caller"]:
+        for _status, local_ip, _port, remote_ip in seen["caller"]:
             assert local_ip.removeprefix("::ffff:") == "127.0.0.1"
             assert remote_ip is None or remote_ip.removeprefix("::ffff:") == "127.0.0.1"
         assert len(seen["caller"]) <= 3
