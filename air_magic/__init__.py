@@ -30,6 +30,7 @@ from air_magic.errors import (
 )
 from air_magic.history import RunInfo, last_run
 from air_magic.torch_helpers import init_process_group
+from air_magic.warm import restart as restart_warm_start
 
 
 def load_ipython_extension(ipython: object) -> None:
@@ -64,5 +65,6 @@ __all__ = [
     "init_process_group",
     "last_run",
     "load_ipython_extension",
+    "restart_warm_start",
     "unload_ipython_extension",
 ]

@@ -109,6 +109,7 @@ def launch(
         timeout=settings.timeout,
         env={**(tracked.env if tracked else {}), **settings.env},
         log_root=settings.log_dir,
+        warm=settings.warm_start,
         tracking=tracked.describe() if tracked else None,
         tracking_url=tracked.url if tracked else None,
         mlflow_run_id=tracked.run_id if tracked else None,
@@ -161,6 +162,7 @@ def distributed(
     tracking: bool = ...,
     experiment: str | None = None,
     run_name: str | None = None,
+    warm_start: bool = ...,
 ) -> Callable[[Callable[..., R]], DistributedFunction[R]]: ...
 
 
@@ -178,6 +180,7 @@ def distributed(
     tracking: Any = _UNSET,
     experiment: Any = None,
     run_name: Any = None,
+    warm_start: Any = _UNSET,
 ) -> Any:
     """Decorate a training function to run once per GPU (or CPU rank) via ``fn.distributed(...)``.
 
@@ -193,6 +196,7 @@ def distributed(
     - ``max_payload_bytes``: the pickled function and arguments must fit (default 512 MiB).
     - ``tracking``: record the call as an MLflow run (default True when mlflow is installed).
     - ``experiment`` / ``run_name``: the MLflow experiment and run name (defaults: see tracking.py).
+    - ``warm_start``: fork ranks from a process that has imported torch once (default True; warm.py).
     """
     if callable(num_accelerators) and not isinstance(num_accelerators, AcceleratorType):
         # Bare @distributed: the function came as the first argument.
@@ -210,6 +214,7 @@ def distributed(
         tracking=tracking,
         experiment=experiment,
         run_name=run_name,
+        warm_start=warm_start,
     )
 
     def decorate(func: Callable[..., R]) -> DistributedFunction[R]:

@@ -28,6 +28,7 @@ import os
 import secrets
 import selectors
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -35,7 +36,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from air_magic import rank_entry, serialization, wire
+from air_magic import rank_entry, serialization, warm, wire
 from air_magic.accelerators import AcceleratorPlan
 from air_magic.errors import DistributedTimeoutError, LaunchError, PayloadError
 from air_magic.events import EventBus, RankExited, RankStarted, RankState, RunFinished, RunStarted, Tick
@@ -62,6 +63,7 @@ class LaunchRequest:
     env: dict[str, str] = field(default_factory=dict)
     log_root: str | None = None
     grace_s: float = DEFAULT_GRACE_S
+    warm: bool = True  # fork ranks from the warm starter when it is ready (warm.py)
     tracking: str | None = None  # for displays: the MLflow run, in words
     tracking_url: str | None = None
     mlflow_run_id: str | None = None
@@ -114,10 +116,64 @@ def _write_run_files(run_dir: str, payload: bytes) -> None:
     wire.write_atomically(os.path.join(run_dir, wire.PAYLOAD_FILE), payload)
 
 
+class _Fresh:
+    """A rank started as a fresh ``sys.executable`` (our child: Popen knows its exit code)."""
+
+    def __init__(self, proc: subprocess.Popen[bytes]):
+        self.proc = proc
+        self.pid = proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self.proc.wait(timeout)
+
+
+class _Forked:
+    """A rank forked by the warm starter: not our child, so the starter reports its exit code."""
+
+    def __init__(self, pid: int, starter: warm.Starter):
+        self.pid = pid
+        self.starter = starter
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self.starter.poll(self.pid)
+            if self.returncode is None and not self.starter.alive() and not _exists(self.pid):
+                self.returncode = -signal.SIGKILL  # the starter died with it; nothing else is known
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout or 0)
+            time.sleep(0.005)
+        assert self.returncode is not None
+        return self.returncode
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
 class _RankProcess:
-    def __init__(self, rank: int, proc: subprocess.Popen[bytes]):
+    def __init__(self, rank: int, proc: _Fresh | _Forked, warm_started: bool):
         self.rank = rank
         self.proc = proc
+        self.warm_started = warm_started
         self.pidfd: int | None = None
         try:
             self.pidfd = os.pidfd_open(proc.pid)
@@ -211,6 +267,10 @@ class _Run:
 
     def _start_ranks(self, lifeline_r: int) -> None:
         cwd = os.getcwd()
+        starter = warm.get_starter(os.path.dirname(self.log_dir)) if self.request.warm else None
+        if starter is not None:
+            # Its exit reports wake the loop as soon as they come.
+            self.selector.register(starter, selectors.EVENT_READ, ("starter", None))
         for rank in range(self.world):
             env = rank_environment(
                 rank=rank,
@@ -222,29 +282,52 @@ class _Run:
                 lifeline_fd=lifeline_r,
                 extra=self.request.env,
             )
+            out_r, out_w = os.pipe()
+            err_r, err_w = os.pipe()
             try:
-                proc = subprocess.Popen(
-                    [sys.executable, "-c", rank_entry.BOOTSTRAP, self.run_dir],
-                    cwd=cwd,
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    pass_fds=(lifeline_r,),
-                    start_new_session=True,  # its own process group: teardown reaches its children
-                )
+                proc = self._spawn(starter, env, cwd, out_w, err_w, lifeline_r)
             except OSError as exc:
+                for fd in (out_r, err_r):
+                    os.close(fd)
                 raise LaunchError(f"could not start rank {rank} with {sys.executable}: {exc}") from exc
-            ranked = _RankProcess(rank, proc)
+            finally:
+                os.close(out_w)
+                os.close(err_w)
+            ranked = _RankProcess(rank, proc, isinstance(proc, _Forked))
             self.ranks.append(ranked)
-            for stream, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr)):
-                assert pipe is not None
-                os.set_blocking(pipe.fileno(), False)
-                self.selector.register(pipe, selectors.EVENT_READ, (ranked, stream))
+            for stream, fd in (("stdout", out_r), ("stderr", err_r)):
+                os.set_blocking(fd, False)
+                self.selector.register(fd, selectors.EVENT_READ, (ranked, stream))
             if ranked.pidfd is not None:
                 self.selector.register(ranked.pidfd, selectors.EVENT_READ, (ranked, None))
             ranked.state = RankState.RUNNING
             self.bus.emit(RankStarted(rank=rank, pid=proc.pid))
+
+    def _spawn(
+        self,
+        starter: warm.Starter | None,
+        env: dict[str, str],
+        cwd: str,
+        out_w: int,
+        err_w: int,
+        lifeline_r: int,
+    ) -> _Fresh | _Forked:
+        if starter is not None:
+            try:
+                return _Forked(starter.spawn(env, cwd, self.run_dir, [out_w, err_w, lifeline_r]), starter)
+            except OSError:
+                pass  # the starter broke: this rank starts cold, and the next call gets a new starter
+        proc = subprocess.Popen(
+            [sys.executable, "-c", rank_entry.BOOTSTRAP, self.run_dir],
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out_w,
+            stderr=err_w,
+            pass_fds=(lifeline_r,),
+            start_new_session=True,  # its own process group: teardown reaches its children
+        )
+        return _Fresh(proc)
 
     # -- the one loop ------------------------------------------------------------------
 
@@ -277,17 +360,24 @@ class _Run:
             for key, _ in self.selector.select(wait):
                 ranked, stream = key.data
                 if stream is not None:
-                    self._read(key.fileobj, ranked, stream)
+                    self._read(key.fd, ranked, stream)
+                elif ranked == "starter":
+                    self._pump_starter(key.fileobj)
                 # A readable pidfd needs nothing here: the poll at the top reaps it.
 
-    def _read(self, pipe: Any, ranked: _RankProcess, stream: str) -> bool:
+    def _pump_starter(self, starter: Any) -> None:
+        starter.poll(-1)  # store the exit reports; the poll at the top of the loop reads them
+        if not starter.alive():
+            self.selector.unregister(starter)
+
+    def _read(self, fd: int, ranked: _RankProcess, stream: str) -> bool:
         try:
-            data = os.read(pipe.fileno(), _READ_SIZE)
+            data = os.read(fd, _READ_SIZE)
         except BlockingIOError:
             return True
         if not data:
-            self.selector.unregister(pipe)
-            pipe.close()
+            self.selector.unregister(fd)
+            os.close(fd)
             return False
         self.router.feed(ranked.rank, stream, data)
         return True
@@ -329,6 +419,9 @@ class _Run:
 
     def _drain(self) -> None:
         """Read what is left in the pipes after the ranks are gone, for at most _DRAIN_S."""
+        for key in list(self.selector.get_map().values()):
+            if key.data[1] is None:  # pidfds and the starter's socket: nothing more to learn there
+                self.selector.unregister(key.fileobj)
         end = time.monotonic() + _DRAIN_S
         while self.selector.get_map() and time.monotonic() < end:
             pipes = [k for k in self.selector.get_map().values() if k.data[1] is not None]
@@ -337,12 +430,12 @@ class _Run:
             for key, _ in self.selector.select(max(0.0, end - time.monotonic())):
                 ranked, stream = key.data
                 if stream is not None:
-                    while self._read(key.fileobj, ranked, stream):
+                    while self._read(key.fd, ranked, stream):
                         pass
         for key in list(self.selector.get_map().values()):
             self.selector.unregister(key.fileobj)
             if key.data[1] is not None:
-                key.fileobj.close()  # type: ignore[union-attr]
+                os.close(key.fd)  # a pipe's read end; pidfds and the starter's socket are closed elsewhere
 
     # -- outcomes ----------------------------------------------------------------------
 

@@ -44,6 +44,7 @@ class DistributedMagics(Magics):
     @argument("--experiment", default=None, help="MLflow experiment name")
     @argument("--run-name", default=None, help="MLflow run name")
     @argument("--no-tracking", action="store_true", help="do not record an MLflow run")
+    @argument("--cold", action="store_true", help="start fresh interpreters, not warm forks")
     @argument("--push", default="", help="comma-separated names to send besides those detected")
     @argument("--pull", default=None, help="comma-separated names to bring back from rank 0")
     @argument("--no-pull", action="store_true", help="bring nothing back")
@@ -94,6 +95,12 @@ class DistributedMagics(Magics):
             print(f"accelerators: {describe(gpus)}")
             print(f"log folder: {default_log_root()}")
             return None
+        if command == "restart":
+            from air_magic import warm
+
+            warm.restart()
+            print("air_magic: the warm starter was stopped; the next call starts a fresh one")
+            return None
         if command == "mlflow-ui":
             return _mlflow_ui()
         if command == "help":
@@ -105,6 +112,7 @@ class DistributedMagics(Magics):
 _HELP = """%distributed status        the last run: outcome, time, each rank's state, log folder
 %distributed logs [RANK]   where the last run's logs are, or the end of one rank's log
 %distributed settings      what this machine has, where logs go
+%distributed restart       rebuild the warm starter (it also rebuilds itself after package changes)
 %distributed mlflow-ui     start an MLflow UI on 127.0.0.1 over the local store; runs link to it
 %%distributed [options]    run the cell on every rank (%%distributed? lists the options)"""
 
@@ -124,6 +132,7 @@ def _settings(args: Any) -> Any:
         "accelerator_type": args.accelerator_type,
         "display": args.display,
         "tracking": not args.no_tracking,
+        "warm_start": not args.cold,
         "experiment": args.experiment,
         "run_name": args.run_name,
     }

@@ -12,17 +12,27 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 import psutil
 
 DEFAULT_GRACE_S = 3.0
 
 
+class RankProcess(Protocol):
+    """What stopping needs of a rank: a fresh child (Popen) or a rank forked by the warm starter."""
+
+    pid: int
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
 def stop_trees(
-    procs: list[subprocess.Popen[bytes]],
+    procs: Sequence[RankProcess],
     grace_s: float = DEFAULT_GRACE_S,
     known: Iterable[psutil.Process] = (),
 ) -> None:

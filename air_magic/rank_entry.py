@@ -32,6 +32,17 @@ BOOTSTRAP = (
 )
 
 
+def run_from_launch_file(run_dir: str) -> NoReturn:
+    """What BOOTSTRAP does, for a rank forked by the warm starter."""
+    import json
+
+    with open(os.path.join(run_dir, wire.LAUNCH_FILE)) as f:
+        launch = json.load(f)
+    sys.path[:] = launch["sys_path"]
+    sys.argv[:] = launch["argv"]
+    main(run_dir)
+
+
 def main(run_dir: str) -> NoReturn:
     # A segfault in C code still leaves a Python stack in the rank's log.
     faulthandler.enable(all_threads=True)

@@ -55,6 +55,7 @@ def rank_environment(
             wire.ENV_RUN_DIR: run_dir,
             wire.ENV_LOG_DIR: log_dir,
             wire.ENV_LIFELINE_FD: str(lifeline_fd),
+            wire.ENV_CALLER_PID: str(os.getpid()),
             wire.ENV_BACKEND: plan.backend,
             wire.ENV_DEVICE: "cpu" if plan.cpu_mode else "cuda",
         }

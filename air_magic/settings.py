@@ -37,6 +37,7 @@ class LaunchSettings:
     log_dir: str | None = None
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
     tracking: bool = True
+    warm_start: bool = True
     experiment: str | None = None
     run_name: str | None = None
 
@@ -63,6 +64,7 @@ def make_settings(base: Mapping[str, Any] | None = None, **given: Any) -> Launch
         log_dir=_check_log_dir(raw.get("log_dir")),
         max_payload_bytes=_check_payload_limit(raw.get("max_payload_bytes", DEFAULT_MAX_PAYLOAD_BYTES)),
         tracking=_check_bool("tracking", raw.get("tracking", True)),
+        warm_start=_check_bool("warm_start", raw.get("warm_start", True)),
         experiment=_check_name("experiment", raw.get("experiment")),
         run_name=_check_name("run_name", raw.get("run_name")),
         raw=raw,
@@ -78,6 +80,7 @@ _FIELDS = {
     "log_dir",
     "max_payload_bytes",
     "tracking",
+    "warm_start",
     "experiment",
     "run_name",
 }

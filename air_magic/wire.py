@@ -25,6 +25,9 @@ ENV_LIFELINE_FD = "AIR_MAGIC_LIFELINE_FD"
 ENV_BACKEND = "AIR_MAGIC_BACKEND"
 ENV_DEVICE = "AIR_MAGIC_DEVICE"  # 'cuda' or 'cpu'
 ENV_LOG_DIR = "AIR_MAGIC_LOG_DIR"
+ENV_CALLER_PID = (
+    "AIR_MAGIC_CALLER_PID"  # the process that made the call (a warm rank's parent is the starter)
+)
 
 
 def result_path(run_dir: str, rank: int) -> str:

@@ -54,12 +54,20 @@ def _reap_zombies() -> None:
 
 
 def leftover_processes(timeout: float = LEFTOVER_WAIT_S) -> list[psutil.Process]:
-    """Descendants still alive after ``timeout`` seconds (zombies are reaped as we go)."""
+    """Descendants still alive after ``timeout`` seconds (zombies are reaped as we go).
+
+    The warm starter of this process is meant to stay (it is a cache); what it started is not.
+    """
+    from air_magic import warm
+
     deadline = time.monotonic() + timeout
     while True:
         _reap_zombies()
         alive = []
+        keep = warm.starter_pid()
         for proc in psutil.Process().children(recursive=True):
+            if proc.pid == keep:
+                continue
             try:
                 if proc.status() != psutil.STATUS_ZOMBIE:
                     alive.append(proc)

@@ -14,11 +14,10 @@ import pytest
 CALLER = os.path.join(os.path.dirname(__file__), "helpers", "caller.py")
 
 
-def _start_caller(tmp_path):
-    proc = subprocess.Popen(
-        [sys.executable, CALLER, str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    deadline = time.monotonic() + 60
+def _start_caller(tmp_path, mode):
+    args = [sys.executable, CALLER, str(tmp_path)] + (["--warm"] if mode == "warm" else [])
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
     pids: list[int] = []
     while time.monotonic() < deadline and len(pids) < 4:
         pids = []
@@ -48,8 +47,9 @@ def _gone_within(pids, seconds):
 @pytest.mark.fault(
     "SIGINT (Ctrl-C) to a caller script", "KeyboardInterrupt within seconds; ranks and their children gone"
 )
-def test_sigint_to_the_caller_stops_every_rank_and_raises_keyboard_interrupt(tmp_path):
-    proc, pids = _start_caller(tmp_path)
+@pytest.mark.parametrize("mode", ["cold", "warm"])
+def test_sigint_to_the_caller_stops_every_rank_and_raises_keyboard_interrupt(tmp_path, mode):
+    proc, pids = _start_caller(tmp_path, mode)
     sent = time.monotonic()
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=30)
@@ -60,8 +60,9 @@ def test_sigint_to_the_caller_stops_every_rank_and_raises_keyboard_interrupt(tmp
 
 
 @pytest.mark.fault("SIGKILL of a caller script", "ranks and their children gone within 5 s")
-def test_sigkill_of_the_caller_takes_every_rank_and_child_within_5_s(tmp_path):
-    proc, pids = _start_caller(tmp_path)
+@pytest.mark.parametrize("mode", ["cold", "warm"])
+def test_sigkill_of_the_caller_takes_every_rank_and_child_within_5_s(tmp_path, mode):
+    proc, pids = _start_caller(tmp_path, mode)
     proc.kill()
     proc.wait()
     assert _gone_within(pids, 5) == []

@@ -26,7 +26,7 @@ def _sockets_seen_from_a_rank():
         )
 
     return {
-        "caller": describe(psutil.Process(os.getppid())),
+        "caller": describe(psutil.Process(int(os.environ["AIR_MAGIC_CALLER_PID"]))),
         "rank": describe(psutil.Process()),
         "port": int(os.environ["MASTER_PORT"]),
     }
@@ -59,7 +59,7 @@ def _gloo_listeners():
     dist.init_process_group("gloo")
     listening = {
         c.laddr.ip
-        for pid in (os.getpid(), os.getppid())
+        for pid in (os.getpid(), int(os.environ["AIR_MAGIC_CALLER_PID"]))
         for c in psutil.Process(pid).net_connections(kind="inet")
         if c.status == psutil.CONN_LISTEN
     }

@@ -41,7 +41,7 @@ def _caller_pid_on_gpu_and_nccl_sum():
     dist.destroy_process_group()
     return {
         "sum": t.item(),
-        "caller_on_gpu": os.getppid() in on_gpu,
+        "caller_on_gpu": int(os.environ["AIR_MAGIC_CALLER_PID"]) in on_gpu,
         "me_on_gpu": os.getpid() in on_gpu,
         "devices": torch.cuda.device_count(),
         "current": torch.cuda.current_device(),

@@ -1,6 +1,6 @@
 """A caller script for tests that interrupt or kill the caller itself.
 
-Usage: python caller.py DIR. Each rank starts a child (like a DataLoader
+Usage: python caller.py DIR [--warm]. Each rank starts a child (like a DataLoader
 worker), writes "<rank pid> <child pid>" to DIR/rank-<N>.pid, and sleeps.
 The script prints what happened to the call on stdout.
 """
@@ -25,6 +25,11 @@ def sleeper(out_dir):
 
 
 if __name__ == "__main__":
+    if "--warm" in sys.argv:  # the ranks below are forked by the warm starter
+        from air_magic import warm
+
+        warm.get_starter(wait_s=120)
+        assert warm.get_starter() is not None, "the warm starter did not come up"
     try:
         sleeper.distributed(sys.argv[1])
     except KeyboardInterrupt:

@@ -1,0 +1,88 @@
+"""The warm start: ranks forked from a starter that imported torch once (SPEC §10)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import psutil
+import pytest
+
+from air_magic import distributed, restart_warm_start, warm
+
+
+def _who_am_i():
+    import os
+    import random
+    import sys
+
+    return {
+        "parent": os.getppid(),
+        "torch_preloaded": "torch" in sys.modules,
+        "random": random.random(),
+        "cwd": os.getcwd(),
+        "sys_path": list(sys.path),
+        "rank": os.environ["RANK"],
+        "omp": os.environ["OMP_NUM_THREADS"],
+        "stdin": os.read(0, 1),
+    }
+
+
+@pytest.fixture
+def starter():
+    restart_warm_start()
+    found = warm.get_starter(wait_s=120)
+    assert found is not None, "the warm starter did not come up"
+    return found
+
+
+def test_warm_ranks_are_forked_from_the_starter_yet_fresh(starter, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    fn = distributed(num_accelerators=2, display="none", tracking=False)(_who_am_i)
+    first, second = fn.distributed(), fn.distributed()
+    for facts in first + second:
+        assert facts["parent"] == starter.proc.pid and facts["torch_preloaded"]
+        assert facts["cwd"] == str(tmp_path) and facts["sys_path"] == sys.path
+        assert facts["stdin"] == b""  # /dev/null, as for a fresh rank
+    assert [f["rank"] for f in first] == ["0", "1"]
+    # Each fork reseeds: no two ranks, in one call or across calls, share a random sequence.
+    randoms = [f["random"] for f in first + second]
+    assert len(set(randoms)) == 4
+
+
+def test_cold_ranks_when_asked(starter):
+    facts = distributed(num_accelerators=2, display="none", tracking=False, warm_start=False)(
+        _who_am_i
+    ).distributed()
+    assert {f["parent"] for f in facts} == {os.getpid()}
+
+
+def test_the_starter_is_rebuilt_when_stale_and_on_request(starter, monkeypatch):
+    first = starter.proc.pid
+    restart_warm_start()
+    assert not psutil.pid_exists(first) or psutil.Process(first).status() == psutil.STATUS_ZOMBIE
+    second = warm.get_starter(wait_s=120)
+    assert second is not None and second.proc.pid != first
+    monkeypatch.setattr(warm, "fingerprint", lambda preload: "packages changed")
+    third = warm.get_starter(wait_s=120)
+    assert third is not None and third.proc.pid != second.proc.pid
+
+
+def test_off_by_environment(monkeypatch):
+    monkeypatch.setenv("AIR_MAGIC_WARM", "0")
+    assert warm.get_starter() is None
+    facts = distributed(num_accelerators=2, display="none", tracking=False)(_who_am_i).distributed()
+    assert {f["parent"] for f in facts} == {os.getpid()}
+
+
+def test_a_rank_error_from_a_warm_rank_is_the_same(starter):
+    def boom():
+        import os
+
+        if os.environ["RANK"] == "1":
+            raise LookupError("warm failure")
+        return 0
+
+    with pytest.raises(LookupError, match="warm failure") as info:
+        distributed(num_accelerators=2, display="none", tracking=False)(boom).distributed()
+    assert info.value.air_magic_rank == 1
