@@ -136,7 +136,7 @@ def test_two_hundred_thousand_lines_per_rank():
 
 
 def _nested():
-    from air_magic import distributed, warm
+    from air_magic import distributed
 
     return distributed(num_accelerators=2, display="none")(lambda: 1).distributed()
 

@@ -110,3 +110,23 @@ def _helper():
 def test_init_process_group_helper_uses_nccl_on_gpus():
     out = distributed(display="none")(_helper).distributed()
     assert out == [(f"cuda:{i}", "nccl") for i in range(len(GPUS))]
+
+
+def test_warm_ranks_use_the_gpus_and_the_starter_holds_no_cuda_context():
+    import pynvml
+
+    from air_magic import warm
+
+    fn = distributed(display="none")(_visible)
+    fn.distributed()
+    starter = warm.get_starter(wait_s=120)
+    assert starter is not None
+    out = distributed(display="none")(_caller_pid_on_gpu_and_nccl_sum).distributed()
+    assert [o["sum"] for o in out] == [float(len(GPUS))] * len(GPUS)
+    pynvml.nvmlInit()
+    pids = set()
+    for i in range(pynvml.nvmlDeviceGetCount()):
+        handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+        pids |= {p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)}
+    pynvml.nvmlShutdown()
+    assert starter.proc.pid not in pids and os.getpid() not in pids
