@@ -35,9 +35,11 @@ from air_magic.warm import restart as restart_warm_start
 
 def load_ipython_extension(ipython: object) -> None:
     """``%load_ext air_magic``: register ``%%distributed`` and ``%distributed``."""
+    from air_magic import warm
     from air_magic.magics import load
 
     load(ipython)
+    warm.prestart()  # torch is imported once, in the background, before the first cell needs it
 
 
 def unload_ipython_extension(ipython: object) -> None:

@@ -16,7 +16,7 @@ import os
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar, overload
 
-from air_magic import tracking, wire
+from air_magic import tracking, warm, wire
 from air_magic.accelerators import AcceleratorType, plan_accelerators
 from air_magic.errors import ConfigurationError, DirectCallError
 from air_magic.events import Consumer, EventBus
@@ -88,6 +88,8 @@ def launch(
             f"{name}.distributed() was called inside rank {os.environ.get('RANK', '?')} of run {inside}: "
             "a rank cannot start ranks of its own. Call the function directly there (fn.func(...))."
         )
+    if settings.warm_start:
+        warm.prestart()  # first: it imports torch while this process does its own imports
     plan = plan_accelerators(settings.num_accelerators, settings.accelerator_type)
     payload = build_payload(func, bound, settings.max_payload_bytes)
     tracked = None

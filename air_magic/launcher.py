@@ -267,7 +267,7 @@ class _Run:
 
     def _start_ranks(self, lifeline_r: int) -> None:
         cwd = os.getcwd()
-        starter = warm.get_starter(os.path.dirname(self.log_dir)) if self.request.warm else None
+        starter = warm.get_starter(wait_s=warm.STARTER_WAIT_S) if self.request.warm else None
         if starter is not None:
             # Its exit reports wake the loop as soon as they come.
             self.selector.register(starter, selectors.EVENT_READ, ("starter", None))

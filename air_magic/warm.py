@@ -1,8 +1,10 @@
 """Warm start, caller side: one starter process per caller, forking ranks that skip ``import torch``.
 
-The first call of a process starts the starter in the background and runs its
-own ranks cold; later calls fork from the starter (see starter_main.py), which
-saves each rank the import of torch (2 s on a laptop, 4-5 s on a GPU node).
+The first call of a process (or ``%load_ext air_magic``) starts the starter at
+once, before the caller's own imports, and the call waits for it: its import of
+torch is the same work a cold rank would do, done once instead of once per rank.
+Later calls fork from the ready starter (see starter_main.py), which saves each
+rank the import of torch (2 s on a laptop, 4-5 s on a GPU node).
 The starter is rebuilt when it would be stale: another interpreter, another
 ``sys.path``, another preload list, or packages installed or removed since
 (a site-packages folder's modification time changed). ``restart()`` rebuilds
@@ -60,7 +62,7 @@ def fingerprint(preload: list[str]) -> str:
 class Starter:
     """The caller's handle on its starter process."""
 
-    def __init__(self, preload: list[str], log_path: str | None):
+    def __init__(self, preload: list[str], log_path: str | None = None):
         self.preload = preload
         self.fingerprint = fingerprint(preload)
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -160,8 +162,16 @@ class Starter:
             self.proc.wait()
 
 
+STARTER_WAIT_S = 120.0  # past this, a call gives up on the starter and starts its ranks cold
+
+
+def prestart(log_root: str | None = None) -> None:
+    """Make sure a starter is on its way, without waiting for it."""
+    get_starter(log_root, wait_s=0.0)
+
+
 def get_starter(log_root: str | None = None, wait_s: float = 0.0) -> Starter | None:
-    """The ready starter for this caller, or None (then start one in the background for next time)."""
+    """The ready starter for this caller (waiting up to ``wait_s``), or None; starts one if needed."""
     global _starter
     if not enabled():
         return None
@@ -171,8 +181,11 @@ def get_starter(log_root: str | None = None, wait_s: float = 0.0) -> Starter | N
             _starter.close()
             _starter = None
         if _starter is None:
-            log = os.path.join(log_root, "starter.log") if log_root else None
-            _starter = Starter(preload, log)
+            from air_magic.output import default_log_root
+
+            root = log_root or default_log_root()
+            os.makedirs(root, mode=0o700, exist_ok=True)
+            _starter = Starter(preload, os.path.join(root, "starter.log"))
         starter = _starter
     return starter if starter.is_ready(wait_s) else None
 

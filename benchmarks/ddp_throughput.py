@@ -96,14 +96,15 @@ def main() -> None:
     am, tr = [], []
     for _ in range(args.repeats):
         am.append(fn.distributed(args.steps, args.tiny)[0])
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-               os.path.abspath(__file__), "--rank-script", "--steps", str(args.steps)] + (["--tiny"] if args.tiny else [])  # fmt: skip
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+            os.path.abspath(__file__), "--rank-script", "--steps", str(args.steps),
+        ] + (["--tiny"] if args.tiny else [])  # fmt: skip
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
         tr.append(json.loads(out.strip().splitlines()[-1])["samples_per_s"])
     best_am, best_tr = max(am), max(tr)
-    print(
-        f"# {time.strftime('%Y-%m-%d %H:%M')}; command: python benchmarks/ddp_throughput.py {' '.join(sys.argv[1:])}"
-    )
+    command = " ".join(sys.argv[1:])
+    print(f"# {time.strftime('%Y-%m-%d %H:%M')}; command: python benchmarks/ddp_throughput.py {command}")
     print("| ranks | air_magic samples/s | torchrun samples/s | ratio |")
     print("|---|---|---|---|")
     print(f"| {world} | {best_am:.1f} | {best_tr:.1f} | {best_am / best_tr:.3f} |")
