@@ -91,7 +91,7 @@ def notebook_launcher(ranks: int, repeats: int) -> float | None:
         "ts = []\n"
         "for _ in range(int(sys.argv[3])):\n"
         "    t = time.perf_counter()\n"
-        "    notebook_launcher(trivial, num_processes=int(sys.argv[2]), use_port='0')\n"
+        "    notebook_launcher(trivial, num_processes=int(sys.argv[2]))\n"
         "    ts.append(time.perf_counter() - t)\n"
         "print(statistics.median(ts))\n"
     )
