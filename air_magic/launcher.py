@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import select
 import selectors
 import shutil
 import signal
@@ -181,6 +182,7 @@ class _RankProcess:
             self.pidfd = None
         self.exit_code: int | None = None
         self.exited_at: float | None = None  # the loop's last time it saw the rank alive
+        self.dead_since: float | None = None  # seen gone (pidfd) before its exit code came
         self.state = RankState.STARTING
 
 
@@ -341,14 +343,18 @@ class _Run:
         while True:
             now = time.monotonic()
             for r in self.ranks:
-                if r.exit_code is None and r.proc.poll() is not None:
-                    self._exited(r, seen_alive)
+                if r.exit_code is None:
+                    if r.proc.poll() is not None:
+                        self._exited(r, r.dead_since or seen_alive)
+                    elif r.dead_since is None and self._dead(r):
+                        r.dead_since = seen_alive  # gone; its exit code is still on its way (warm ranks)
             seen_alive = now
             self.tracker.update(r.proc.pid for r in self.ranks if r.exit_code is None)
             if now >= next_tick:
                 next_tick = now + TICK_S
                 self.bus.emit(Tick(elapsed=now - self.started))
             if any(r.state is RankState.FAILED for r in self.ranks):
+                self._settle()
                 return "failed"
             if all(r.exit_code is not None for r in self.ranks):
                 return "succeeded"
@@ -364,6 +370,33 @@ class _Run:
                 elif ranked == "starter":
                     self._pump_starter(key.fileobj)
                 # A readable pidfd needs nothing here: the poll at the top reaps it.
+
+    def _dead(self, r: _RankProcess) -> bool:
+        """The rank's process is gone (its pidfd is readable), whether or not its exit code is known."""
+        if r.pidfd is None:
+            return False
+        ready, _, _ = select.select([r.pidfd], [], [], 0)
+        return bool(ready)
+
+    def _settle(self, wait_s: float = 1.0) -> None:
+        """Before teardown, collect the exit codes of ranks that already died on their own.
+
+        A warm rank's exit code comes from the starter, a moment after its death; a rank
+        that died first must count as a failure (the root cause), not as one we stopped.
+        """
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            pending = [
+                r for r in self.ranks if r.exit_code is None and (r.dead_since is not None or self._dead(r))
+            ]
+            if not pending:
+                return
+            for r in pending:
+                if r.dead_since is None:
+                    r.dead_since = time.monotonic()
+                if r.proc.poll() is not None:
+                    self._exited(r, r.dead_since)
+            time.sleep(0.005)
 
     def _pump_starter(self, starter: Any) -> None:
         starter.poll(-1)  # store the exit reports; the poll at the top of the loop reads them
