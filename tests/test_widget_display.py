@@ -1,0 +1,52 @@
+"""The tab display's state machine, driven by launch events (the browser test shows it rendered)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("ipywidgets")
+from IPython.utils.capture import capture_output
+
+from air_magic.events import RankExited, RankOutput, RankStarted, RankState, RunFinished, RunStarted, Tick
+from air_magic.widget_display import WidgetDisplay
+
+
+def test_tabs_follow_the_ranks_and_a_failure_selects_and_marks_its_tab():
+    display = WidgetDisplay()
+    with capture_output():
+        display.handle(RunStarted("run-1", 3, "gloo", "no NVIDIA GPU (CPU mode)", True, "/logs/run-1", "train",
+                                  tracking="MLflow run abc in experiment 1: sqlite:///x", tracking_url=None))  # fmt: skip
+    for rank in range(3):
+        display.handle(RankStarted(rank, 100 + rank))
+    display.handle(RankOutput(0, "stdout", "epoch 1\n"))
+    display.handle(RankOutput(2, "stderr", "\r 10%|#\r100%|##########|\n"))
+    display.handle(Tick(0.5))
+    display.handle(RankExited(2, RankState.FAILED, 1, "raised an exception"))
+    display.handle(RankExited(0, RankState.KILLED, -15, "stopped by air_magic"))
+    display.handle(RankExited(1, RankState.KILLED, -15, "stopped by air_magic"))
+    display.handle(RunFinished("run-1", "failed", 1.5, "/logs/run-1", error="ValueError: x", failed_rank=2))
+
+    assert display._tab.selected_index == 2
+    assert list(display._tab.titles) == ["rank 0 ■", "rank 1 ■", "rank 2 ✗"]
+    assert display._outputs[0].outputs == ({"output_type": "stream", "name": "stdout", "text": "epoch 1\n"},)
+    assert display._outputs[2].outputs == (
+        {"output_type": "stream", "name": "stderr", "text": "100%|##########|\n"},
+    )
+    header = display._header.value
+    assert "failed" in header and "raised an exception" in header and "MLflow run abc" in header
+    assert "/logs/run-1/rank-2.log" in display._footers[2].value
+
+
+def test_updates_are_batched_in_time():
+    display = WidgetDisplay()
+    with capture_output():
+        display.handle(RunStarted("run-2", 1, "gloo", "cpu", True, "/logs/run-2", "chatty"))
+    display.handle(RankStarted(0, 1))
+    sent = []
+    display._outputs[0].observe(lambda change: sent.append(change), names="outputs")
+    for i in range(5000):
+        display.handle(RankOutput(0, "stdout", f"line {i}\n"))
+    display.handle(RunFinished("run-2", "succeeded", 0.1, "/logs/run-2"))
+    assert len(sent) <= 3  # not one update per line
+    assert display._screens[0].text().splitlines()[-1] == "line 4999"
+    assert display._screens[0].dropped == 4000  # the tab keeps the last 1000 lines
