@@ -39,9 +39,13 @@ def start_ui(uri: str, timeout_s: float = 90.0) -> str:
     os.makedirs(embedded_dir(), mode=0o700, exist_ok=True)
     log_path = os.path.join(embedded_dir(), "ui.log")
     port = _free_port()
+    artifacts = os.path.join(embedded_dir(), "served-artifacts")
     command = [
         sys.executable, "-m", "mlflow", "server",
         "--backend-store-uri", uri,
+        # Artifacts of experiments created through this server go beside the store, not into
+        # whatever folder the notebook runs in (MLflow's default is ./mlartifacts).
+        "--artifacts-destination", "file://" + artifacts,
         "--host", "127.0.0.1", "--port", str(port),
         "--workers", "1",
     ]  # fmt: skip
@@ -56,6 +60,7 @@ def start_ui(uri: str, timeout_s: float = 90.0) -> str:
                 stderr=log,
                 pass_fds=(lifeline,),
                 start_new_session=True,
+                cwd=embedded_dir(),
             )
     finally:
         os.close(lifeline)

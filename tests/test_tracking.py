@@ -29,6 +29,7 @@ HELPERS = os.path.join(os.path.dirname(__file__), "helpers")
 @pytest.fixture
 def store(tmp_path, monkeypatch):
     """A fresh embedded store, and no MLflow configuration left over from another test."""
+    monkeypatch.chdir(tmp_path)  # MLflow's own defaults (./mlruns) must not land in the repository
     monkeypatch.setenv("AIR_MAGIC_MLFLOW_DIR", str(tmp_path / "mlflow"))
     for name in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID", "MLFLOW_RUN_ID"):
         monkeypatch.delenv(name, raising=False)

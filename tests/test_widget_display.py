@@ -14,8 +14,11 @@ from air_magic.widget_display import WidgetDisplay
 def test_tabs_follow_the_ranks_and_a_failure_selects_and_marks_its_tab():
     display = WidgetDisplay()
     with capture_output():
-        display.handle(RunStarted("run-1", 3, "gloo", "no NVIDIA GPU (CPU mode)", True, "/logs/run-1", "train",
-                                  tracking="MLflow run abc in experiment 1: sqlite:///x", tracking_url=None))  # fmt: skip
+        started = RunStarted(
+            "run-1", 3, "gloo", "no NVIDIA GPU (CPU mode)", True, "/logs/run-1", "train",
+            tracking="MLflow run abc in experiment 1: sqlite:///x",
+        )  # fmt: skip
+        display.handle(started)
     for rank in range(3):
         display.handle(RankStarted(rank, 100 + rank))
     display.handle(RankOutput(0, "stdout", "epoch 1\n"))
