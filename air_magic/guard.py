@@ -17,6 +17,8 @@ import sys
 import threading
 import time
 
+from air_magic.wire import wait_for_eof
+
 
 def main(argv: list[str]) -> int:
     fd = int(argv[0])
@@ -24,14 +26,7 @@ def main(argv: list[str]) -> int:
     child = subprocess.Popen(command, start_new_session=True)
 
     def watch() -> None:
-        while True:
-            try:
-                if not os.read(fd, 1):
-                    break
-            except InterruptedError:
-                continue
-            except OSError:
-                break
+        wait_for_eof(fd)
         _stop_group(child)
 
     threading.Thread(target=watch, daemon=True).start()

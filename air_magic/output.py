@@ -24,6 +24,7 @@ import collections
 import os
 import shutil
 
+from air_magic import wire
 from air_magic.errors import ConfigurationError
 from air_magic.events import EventBus, RankOutput
 
@@ -33,11 +34,7 @@ _MAX_PARTIAL = 64 * 1024  # a line longer than this is cut for the tail, not for
 
 
 def default_log_root() -> str:
-    env = os.environ.get("AIR_MAGIC_LOG_DIR")
-    if env:
-        return env
-    state = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
-    return os.path.join(state, "air_magic", "runs")
+    return os.environ.get("AIR_MAGIC_LOG_DIR") or wire.state_dir("runs")
 
 
 def make_log_dir(root: str | None, run_id: str) -> str:

@@ -151,14 +151,7 @@ def _watch_lifeline() -> None:
     os.set_inheritable(fd, False)
 
     def watch() -> None:
-        while True:
-            try:
-                if not os.read(fd, 1):
-                    break
-            except InterruptedError:
-                continue
-            except OSError:
-                break
+        wire.wait_for_eof(fd)
         os.killpg(os.getpgrp(), signal.SIGKILL)
 
     threading.Thread(target=watch, name="air_magic-lifeline", daemon=True).start()

@@ -36,6 +36,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+from air_magic import wire
 from air_magic._version import __version__
 from air_magic.accelerators import AcceleratorPlan
 from air_magic.events import Event, RunFinished, RunStarted
@@ -48,11 +49,7 @@ _live: list[TrackedRun] = []  # runs of this process not yet ended (for atexit)
 
 
 def embedded_dir() -> str:
-    env = os.environ.get("AIR_MAGIC_MLFLOW_DIR")
-    if env:
-        return env
-    state = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
-    return os.path.join(state, "air_magic", "mlflow")
+    return os.environ.get("AIR_MAGIC_MLFLOW_DIR") or wire.state_dir("mlflow")
 
 
 def embedded_uri() -> str:

@@ -79,3 +79,21 @@ def read_bytes(path: str) -> bytes | None:
 
 def as_dict(record: ErrorRecord) -> dict[str, Any]:
     return dict(record.__dict__)
+
+
+def state_dir(*parts: str) -> str:
+    """``$XDG_STATE_HOME/air_magic/...`` (``~/.local/state/air_magic/...``): logs, the embedded store."""
+    state = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(state, "air_magic", *parts)
+
+
+def wait_for_eof(fd: int) -> None:
+    """Block until the other end of the pipe ``fd`` is closed: a lifeline's only message."""
+    while True:
+        try:
+            if not os.read(fd, 1):
+                return
+        except InterruptedError:
+            continue
+        except OSError:
+            return
