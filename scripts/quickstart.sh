@@ -3,5 +3,5 @@
 # GPU here (or 2 CPU ranks with gloo when there is none).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh
+scripts/setup.sh mlflow
 exec "${AIR_MAGIC_VENV:-.venv}/bin/python" examples/quickstart.py "$@"
