@@ -25,15 +25,15 @@ from typing import Any, NoReturn
 from air_magic import rank_mlflow, serialization, wire
 
 # The launcher passes this to ``python -c``; argv[1] is the run directory.
+# Only enough to find air_magic on the caller's sys.path; run_from_launch_file does the rest.
 BOOTSTRAP = (
-    "import json,sys;d=sys.argv[1];s=json.load(open(d+'/launch.json'));"
-    "sys.path[:]=s['sys_path'];sys.argv[:]=s['argv'];"
-    "from air_magic.rank_entry import main;main(d)"
+    "import json,sys;d=sys.argv[1];sys.path[:]=json.load(open(d+'/launch.json'))['sys_path'];"
+    "from air_magic.rank_entry import run_from_launch_file;run_from_launch_file(d)"
 )
 
 
 def run_from_launch_file(run_dir: str) -> NoReturn:
-    """What BOOTSTRAP does, for a rank forked by the warm starter."""
+    """Take the caller's sys.path and argv from launch.json, then run the rank (fresh or forked)."""
     import json
 
     with open(os.path.join(run_dir, wire.LAUNCH_FILE)) as f:

@@ -106,3 +106,18 @@ def mlflow_status(info) -> str:
 
     assert info is not None and info.mlflow_run_id, "the call was not tracked"
     return MlflowClient(embedded_uri()).get_run(info.mlflow_run_id).info.status
+
+
+def run_ranks(fn, *args, n=2, **settings):
+    """Call ``fn`` on ``n`` ranks; when a launched call fails, its MLflow run must say FAILED."""
+    import air_magic
+
+    settings.setdefault("display", "none")
+    before = air_magic.last_run()
+    try:
+        return air_magic.distributed(num_accelerators=n, **settings)(fn).distributed(*args)
+    except Exception:
+        after = air_magic.last_run()
+        if after is not before and after.mlflow_run_id:
+            assert mlflow_status(after) == "FAILED"
+        raise

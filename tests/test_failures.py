@@ -12,23 +12,10 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import mlflow_status
+from conftest import run_ranks as run
 
 import air_magic
 from air_magic import DistributedTimeoutError, RankFailedError, RemoteTraceback, distributed
-
-
-def run(fn, *args, n=2, **settings):
-    """Call ``fn`` on ``n`` ranks; when a launched call fails, its MLflow run must say FAILED."""
-    settings.setdefault("display", "none")
-    before = air_magic.last_run()
-    try:
-        return distributed(num_accelerators=n, **settings)(fn).distributed(*args)
-    except Exception:
-        after = air_magic.last_run()
-        if after is not before and after.mlflow_run_id:
-            assert mlflow_status(after) == "FAILED"
-        raise
 
 
 def _raise_on(rank_to_fail):

@@ -19,10 +19,24 @@ pytestmark = [
 ]
 
 
+def pids_on_gpus() -> set[int]:
+    """Every process NVML sees holding a CUDA context (used in ranks and in the test process)."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        pids: set[int] = set()
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            pids |= {p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)}
+        return pids
+    finally:
+        pynvml.nvmlShutdown()
+
+
 def _caller_pid_on_gpu_and_nccl_sum():
     import os
 
-    import pynvml
     import torch
     import torch.distributed as dist
 
@@ -32,12 +46,7 @@ def _caller_pid_on_gpu_and_nccl_sum():
     t = torch.ones(1, device="cuda")
     dist.all_reduce(t)
     torch.cuda.synchronize()
-    pynvml.nvmlInit()
-    on_gpu = set()
-    for i in range(pynvml.nvmlDeviceGetCount()):
-        handle = pynvml.nvmlDeviceGetHandleByIndex(i)
-        on_gpu |= {p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)}
-    pynvml.nvmlShutdown()
+    on_gpu = pids_on_gpus()
     dist.destroy_process_group()
     return {
         "sum": t.item(),
@@ -55,7 +64,6 @@ def test_detection_names_this_machine():
 
 
 def test_nccl_all_reduce_on_every_gpu_and_the_caller_holds_no_cuda_context():
-    import pynvml
 
     out = distributed(display="text")(_caller_pid_on_gpu_and_nccl_sum).distributed()
     world = len(GPUS)
@@ -65,13 +73,7 @@ def test_nccl_all_reduce_on_every_gpu_and_the_caller_holds_no_cuda_context():
     assert not any(o["caller_on_gpu"] for o in out)
     assert all(o["tensor"].device.type == "cpu" for o in out)
     # And after the run: this process never appears on a GPU.
-    pynvml.nvmlInit()
-    pids = set()
-    for i in range(pynvml.nvmlDeviceGetCount()):
-        handle = pynvml.nvmlDeviceGetHandleByIndex(i)
-        pids |= {p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)}
-    pynvml.nvmlShutdown()
-    assert os.getpid() not in pids
+    assert os.getpid() not in pids_on_gpus()
     assert "torch" not in __import__("sys").modules or not __import__("torch").cuda.is_initialized()
 
 
@@ -113,7 +115,6 @@ def test_init_process_group_helper_uses_nccl_on_gpus():
 
 
 def test_warm_ranks_use_the_gpus_and_the_starter_holds_no_cuda_context():
-    import pynvml
 
     from air_magic import warm
 
@@ -123,10 +124,5 @@ def test_warm_ranks_use_the_gpus_and_the_starter_holds_no_cuda_context():
     assert starter is not None
     out = distributed(display="none")(_caller_pid_on_gpu_and_nccl_sum).distributed()
     assert [o["sum"] for o in out] == [float(len(GPUS))] * len(GPUS)
-    pynvml.nvmlInit()
-    pids = set()
-    for i in range(pynvml.nvmlDeviceGetCount()):
-        handle = pynvml.nvmlDeviceGetHandleByIndex(i)
-        pids |= {p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)}
-    pynvml.nvmlShutdown()
+    pids = pids_on_gpus()
     assert starter.proc.pid not in pids and os.getpid() not in pids
