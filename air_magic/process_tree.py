@@ -84,6 +84,8 @@ class DescendantTracker:
 def descendants(pids: Iterable[int]) -> list[psutil.Process]:
     found: list[psutil.Process] = []
     for pid in pids:
+        if not _ours_to_signal(pid):
+            continue
         try:
             found.extend(psutil.Process(pid).children(recursive=True))
         except psutil.Error:
@@ -91,13 +93,22 @@ def descendants(pids: Iterable[int]) -> list[psutil.Process]:
     return found
 
 
+def _ours_to_signal(pid: int) -> bool:
+    """Never init (1), "every process" (0, -1), nor this process or its own group: a last guard."""
+    return pid > 1 and pid != os.getpid() and pid != os.getpgrp()
+
+
 def _signal(pgids: Iterable[int], others: Iterable[psutil.Process], sig: int) -> None:
     for pgid in pgids:
+        if not _ours_to_signal(pgid):
+            continue
         try:
             os.killpg(pgid, sig)
         except (ProcessLookupError, PermissionError):
             pass
     for proc in others:
+        if not _ours_to_signal(proc.pid):
+            continue
         try:
             proc.send_signal(sig)
         except psutil.Error:

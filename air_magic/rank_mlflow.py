@@ -7,7 +7,9 @@ MLflow's fluent API ends the active run on ``end_run()`` and at the end of a
 still train. When (and only when) the rank imports ``mlflow``, a post-import
 hook patches ``MlflowClient.set_terminated`` to skip the shared run and keep
 ``MLFLOW_RUN_ID`` set; the launcher ends the run, truthfully, when the call is
-over. Importing mlflow costs seconds, so nothing here imports it.
+over. The same hook hands ``mlflow.tracking.fluent`` to ``rank_metrics``, which
+makes per-step metric logging cheap. Importing mlflow costs seconds, so
+nothing here imports it.
 """
 
 from __future__ import annotations
@@ -17,49 +19,55 @@ import importlib.machinery
 import os
 import sys
 from types import ModuleType
+from collections.abc import Callable
 from typing import Any
 
-ENV_SHARED = "AIR_MAGIC_MLFLOW_RUN_ID"
+from air_magic import rank_metrics
+from air_magic.rank_metrics import ENV_SHARED
 
 
 def install() -> None:
-    if os.environ.get(ENV_SHARED) and not any(isinstance(f, _MlflowHook) for f in sys.meta_path):
-        sys.meta_path.insert(0, _MlflowHook())
+    if not os.environ.get(ENV_SHARED) or any(isinstance(f, _MlflowHook) for f in sys.meta_path):
+        return
+    for name, patch in _PATCHES.items():
+        if name in sys.modules:  # imported before the rank started (a warm starter's preload)
+            patch(sys.modules[name])
+    sys.meta_path.insert(0, _MlflowHook())
 
 
 class _MlflowHook(importlib.abc.MetaPathFinder):
-    """Runs :func:`_patch` right after ``mlflow.tracking.client`` is imported."""
-
-    target = "mlflow.tracking.client"
+    """Patches a module of :data:`_PATCHES` right after it is imported."""
 
     def find_spec(
         self, fullname: str, path: Any, target: Any = None
     ) -> importlib.machinery.ModuleSpec | None:
-        if fullname != self.target:
+        patch = _PATCHES.get(fullname)
+        if patch is None:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
                 continue
             spec = finder.find_spec(fullname, path, target)
             if spec is not None and spec.loader is not None:
-                spec.loader = _PatchingLoader(spec.loader)
+                spec.loader = _PatchingLoader(spec.loader, patch)
                 return spec
         return None
 
 
 class _PatchingLoader(importlib.abc.Loader):
-    def __init__(self, loader: Any):
+    def __init__(self, loader: Any, patch: Callable[[ModuleType], None]):
         self._loader = loader
+        self._patch = patch
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
         return self._loader.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:
         self._loader.exec_module(module)
-        _patch(module)
+        self._patch(module)
 
 
-def _patch(module: ModuleType) -> None:
+def _keep_shared_run_open(module: ModuleType) -> None:
     client_class = module.MlflowClient
     original = client_class.set_terminated
     shared = os.environ[ENV_SHARED]
@@ -71,3 +79,9 @@ def _patch(module: ModuleType) -> None:
         original(self, run_id, status, end_time)
 
     client_class.set_terminated = set_terminated
+
+
+_PATCHES: dict[str, Callable[[ModuleType], None]] = {
+    "mlflow.tracking.client": _keep_shared_run_open,
+    "mlflow.tracking.fluent": rank_metrics.patch_fluent,
+}

@@ -13,6 +13,9 @@
 - **Nesting.** With an active run in the notebook, the call's run is its child.
 - **Ranks** get ``MLFLOW_TRACKING_URI``, ``MLFLOW_EXPERIMENT_ID`` and
   ``MLFLOW_RUN_ID``; ``rank_mlflow`` keeps a rank from ending the shared run.
+- **Metrics** a rank logs with ``mlflow.log_metric``/``log_metrics`` go through
+  a file to this process's :class:`~air_magic.metric_writer.MetricWriter`, which
+  writes them in batches (``AIR_MAGIC_METRICS=direct``: MLflow's own path).
 - **Recorded:** launch parameters, the function's or cell's source, every
   rank's log, the outcome; status FINISHED, FAILED (rank failure, timeout) or
   KILLED (interrupt), set in a ``finally``.
@@ -30,7 +33,9 @@ import importlib.metadata
 import os
 import platform
 import re
+import shutil
 import socket
+import tempfile
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -40,7 +45,8 @@ from air_magic import wire
 from air_magic._version import __version__
 from air_magic.accelerators import AcceleratorPlan
 from air_magic.events import Event, RunFinished, RunStarted
-from air_magic.rank_mlflow import ENV_SHARED
+from air_magic.metric_writer import MetricWriter
+from air_magic.rank_metrics import ENV_SHARED
 
 _STATUS = {"succeeded": "FINISHED", "failed": "FAILED", "timeout": "FAILED", "interrupted": "KILLED"}
 _missing_said = False
@@ -69,6 +75,7 @@ class TrackedRun:
     log_dir: str | None = None
     failed_rank: int | None = None
     error: str | None = None
+    metrics: MetricWriter | None = None
     finished: bool = field(default=False, repr=False)
 
     def describe(self) -> str:
@@ -79,9 +86,18 @@ class TrackedRun:
         if isinstance(event, RunStarted):
             self.log_dir = event.log_dir
             self.client.set_tag(self.run_id, "air_magic.run_id", event.run_id)
+            if self.metrics is not None:
+                self.metrics.start()
         elif isinstance(event, RunFinished):
             self.failed_rank = event.failed_rank
             self.error = event.error
+            self._close_metrics()  # every rank is gone: what they logged is all in the files
+
+    def _close_metrics(self) -> None:
+        metrics, self.metrics = self.metrics, None
+        if metrics is not None:
+            metrics.close()
+            shutil.rmtree(metrics.directory, ignore_errors=True)
 
     def finish(self, outcome: str) -> None:
         """Log what is left and end the run with the status that matches ``outcome``. Never raises."""
@@ -90,6 +106,7 @@ class TrackedRun:
         self.finished = True
         if self in _live:
             _live.remove(self)
+        self._close_metrics()  # no-op after RunFinished; here for calls that ended before launch
         tags = {"air_magic.outcome": outcome}
         if self.failed_rank is not None:
             tags["air_magic.failed_rank"] = str(self.failed_rank)
@@ -171,10 +188,14 @@ def start_run(
         "MLFLOW_RUN_ID": run_id,
         ENV_SHARED: run_id,
     }
+    metrics = None
+    if os.environ.get(wire.ENV_METRICS_MODE, "batched") != "direct":
+        metrics = MetricWriter(client, run_id, tempfile.mkdtemp(prefix="air_magic-metrics-"))  # 0700
+        env[wire.ENV_METRICS_DIR] = metrics.directory
     from air_magic import mlflow_ui
 
     url = mlflow_ui.run_url(uri, experiment_id, run_id)
-    tracked = TrackedRun(client, run_id, experiment_id, uri, url, env)
+    tracked = TrackedRun(client, run_id, experiment_id, uri, url, env, metrics=metrics)
     _live.append(tracked)
     return tracked
 

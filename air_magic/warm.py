@@ -111,13 +111,19 @@ class Starter:
         with self._lock:
             message = json.dumps({"op": "spawn", "env": env, "cwd": cwd, "run_dir": run_dir}).encode()
             socket.send_fds(self.sock, [message], fds)
+            deadline = time.monotonic() + 30.0
             while True:
-                reply = self._receive(30.0, want_spawned=True)
+                # Exit reports of ranks started earlier can come first: they are stored, not answers.
+                reply = self._receive(max(0.0, deadline - time.monotonic()))
                 if reply is None:
                     self.broken = True
                     raise OSError("the warm starter did not answer")
-                if isinstance(reply, int):
-                    return reply
+                pid = reply.get("spawned")
+                if pid is not None:
+                    if type(pid) is not int or pid <= 1 or pid == os.getpid():
+                        self.broken = True
+                        raise OSError(f"the warm starter answered with an impossible pid {pid!r}")
+                    return pid
 
     def poll(self, pid: int) -> int | None:
         with self._lock:
@@ -125,8 +131,8 @@ class Starter:
                 pass
             return self.exits.get(pid)
 
-    def _receive(self, timeout: float, want_spawned: bool = False) -> Any:
-        """Read one message if one comes within ``timeout``; returns the spawned pid, True, or None."""
+    def _receive(self, timeout: float) -> dict[str, Any] | None:
+        """Read one message if one comes within ``timeout``, record what it says, and return it."""
         ready, _, _ = select.select([self.sock], [], [], timeout)
         if not ready:
             return None
@@ -137,17 +143,15 @@ class Starter:
         if not data:
             self.broken = True
             return None
-        message = json.loads(data)
+        message: dict[str, Any] = json.loads(data)
         if "ready" in message:
             self.ready = True
         elif "exited" in message:
             self.exits[message["exited"]] = message["code"]
-        elif "spawned" in message:
-            return message["spawned"] if want_spawned else True
         elif "error" in message:
             self.broken = True
             return None
-        return True
+        return message
 
     def alive(self) -> bool:
         return not self.broken and self.proc.poll() is None

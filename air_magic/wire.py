@@ -28,6 +28,14 @@ ENV_LOG_DIR = "AIR_MAGIC_LOG_DIR"
 ENV_CALLER_PID = (
     "AIR_MAGIC_CALLER_PID"  # the process that made the call (a warm rank's parent is the starter)
 )
+# MLflow metrics (rank_metrics.py -> metric_writer.py): where ranks append them, and the switch
+# that restores MLflow's direct path ("direct"; the default is "batched").
+ENV_METRICS_DIR = "AIR_MAGIC_METRICS_DIR"
+ENV_METRICS_MODE = "AIR_MAGIC_METRICS"
+
+
+def metrics_path(metrics_dir: str, rank: int | str) -> str:
+    return os.path.join(metrics_dir, f"rank-{rank}.tsv")
 
 
 def result_path(run_dir: str, rank: int) -> str:

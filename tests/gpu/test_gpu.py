@@ -126,3 +126,89 @@ def test_warm_ranks_use_the_gpus_and_the_starter_holds_no_cuda_context():
     assert [o["sum"] for o in out] == [float(len(GPUS))] * len(GPUS)
     pids = pids_on_gpus()
     assert starter.proc.pid not in pids and os.getpid() not in pids
+
+
+# -- the examples, as notebooks in a real kernel (issue #7) -------------------------------
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples")
+NOTEBOOKS = {
+    "seed_mlp.ipynb": ["Total loss for epoch 2:"],
+    "ddp_progress.ipynb": ["rank 0: losses", "accuracy"],
+    "fsdp2_transformer.ipynb": ["final loss"],
+    "deepspeed_zero.ipynb": ["ZeRO-2:", "ZeRO-3:"],
+}
+
+
+def _kernel_pid(client) -> int | None:
+    km = getattr(client, "km", None)
+    process = getattr(getattr(km, "provisioner", None), "process", None)
+    return getattr(process, "pid", None)
+
+
+@pytest.mark.parametrize("name", list(NOTEBOOKS))
+def test_example_notebook_on_every_gpu_while_the_kernel_holds_no_cuda_context(name):
+    import threading
+
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    if name.startswith("deepspeed"):
+        pytest.importorskip("deepspeed")
+    nb = nbformat.read(os.path.join(EXAMPLES, name), as_version=4)
+    client = nbclient.NotebookClient(
+        nb, timeout=600, kernel_name="python3", store_widget_state=True, resources={"metadata": {"path": EXAMPLES}}
+    )
+    seen: dict[str, set[int]] = {"on_gpu": set(), "kernel": set()}
+    done = threading.Event()
+
+    def watch() -> None:  # NVML, every 0.2 s, for as long as the notebook runs
+        while not done.wait(0.2):
+            pid = _kernel_pid(client)
+            if pid:
+                seen["kernel"].add(pid)
+            seen["on_gpu"] |= pids_on_gpus()
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        client.execute()
+    finally:
+        done.set()
+        watcher.join()
+    kernel = seen["kernel"]
+    assert kernel, "the kernel's pid was never seen"
+    assert len(seen["on_gpu"]) >= len(GPUS), "the ranks never showed up on the GPUs"
+    assert not (kernel & seen["on_gpu"]), "the notebook kernel held a CUDA context"
+    state = nb.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]["state"]
+    tabs = [m["state"]["titles"] for m in state.values() if m["model_name"] == "TabModel"]
+    assert tabs and all(t == [f"rank {i} ✓" for i in range(len(GPUS))] for t in tabs), tabs
+    shown = "".join(
+        "".join(o.get("text", "") for o in m["state"].get("outputs", []))
+        for m in state.values()
+        if m["model_name"] == "OutputModel"
+    )
+    shown += "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    for expected in NOTEBOOKS[name]:
+        assert expected in shown, (expected, shown[-2000:])
+    print(name, "ranks seen on the GPUs:", sorted(seen["on_gpu"]), "kernel:", sorted(kernel))
+    if name == "seed_mlp.ipynb":
+        _check_seed_metrics(len(GPUS))
+
+
+def _check_seed_metrics(world: int) -> None:
+    """Every rank's per-step loss of the seed's example is in the call's MLflow run."""
+    from mlflow.tracking import MlflowClient
+
+    from air_magic.tracking import embedded_uri
+
+    client = MlflowClient(embedded_uri())
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    (run,) = client.search_runs(
+        experiments,
+        filter_string="tags.`mlflow.source.name` = 'run_train'",
+        order_by=["attributes.start_time DESC"],
+        max_results=1,
+    )
+    assert run.info.status == "FINISHED"
+    steps_per_rank = -(-5000 // world)
+    assert len(client.get_metric_history(run.info.run_id, "loss")) == 3 * steps_per_rank * world
+    assert len(client.get_metric_history(run.info.run_id, "total_loss")) >= 1

@@ -1,4 +1,4 @@
-"""A tracked call in a script, for the interrupt test: ranks write a file when ready, then sleep."""
+"""A tracked call in a script, for the interrupt tests: ranks log metrics, write a file when ready, sleep."""
 
 import os
 import sys
@@ -7,9 +7,15 @@ from air_magic import distributed
 
 
 @distributed(num_accelerators=2, display="none", experiment="interrupted")
-def sleeper(ready_dir):
+def sleeper(ready_dir, steps):
     import os
     import time
+
+    if steps:
+        import mlflow
+
+        for step in range(steps):
+            mlflow.log_metric(f"rank{os.environ['RANK']}", step, step=step)
 
     open(os.path.join(ready_dir, f"rank-{os.environ['RANK']}"), "w").close()
     time.sleep(600)
@@ -17,7 +23,7 @@ def sleeper(ready_dir):
 
 if __name__ == "__main__":
     try:
-        sleeper.distributed(sys.argv[1])
+        sleeper.distributed(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 0)
     except KeyboardInterrupt:
         print("interrupted", flush=True)
         os._exit(130)

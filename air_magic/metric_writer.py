@@ -1,0 +1,114 @@
+"""In the caller: the one writer of the ranks' metrics into the call's MLflow run.
+
+Ranks append each ``mlflow.log_metric`` as a line to their own file
+(rank_metrics.py). A thread here reads the new complete lines of every file
+each :data:`INTERVAL_S` and writes them with ``MlflowClient.log_batch``, up to
+:data:`BATCH` metrics per request; :meth:`MetricWriter.close` does a last pass
+after the ranks are gone, before the run is ended.
+
+Why one writer in the caller rather than each rank batching for itself:
+
+- the ranks do no database work at all: no SQL on the training thread's GIL,
+  no connection per rank, no lock queue on a sqlite store however many ranks;
+- a line is in the file the moment it is logged, so a SIGKILLed, timed-out or
+  interrupted rank loses nothing; a rank-side buffer loses its last interval;
+- the measurements are in docs/benchmarks.md ("Metrics").
+
+Lines that cannot be written (the store is down) are kept and retried on the
+next pass; what is still unwritten at the end is reported in one warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import warnings
+from typing import Any
+
+INTERVAL_S = 0.5  # metrics reach the store (and the UI) within about this much, plus a batch's write
+BATCH = 1000  # MLflow's limit of metrics in one log_batch request
+
+
+class MetricWriter:
+    def __init__(self, client: Any, run_id: str, directory: str, interval_s: float = INTERVAL_S):
+        self.client = client
+        self.run_id = run_id
+        self.directory = directory
+        self.interval_s = interval_s
+        self.written = 0
+        self.unreadable = 0  # lines that were not ours (never expected)
+        self._offsets: dict[str, int] = {}
+        self._partial: dict[str, bytes] = {}
+        self._pending: list[Any] = []
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # one pass at a time: the thread's and close()'s
+        self._warned = False
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="air_magic-metrics", daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.write_pass()
+
+    def close(self) -> None:
+        """Stop the thread and write everything the ranks logged. Never raises."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        for _ in range(3):  # a store that failed once may answer on a retry
+            if self.write_pass() and not self._pending:
+                break
+        if self._pending:
+            self._warned = False  # this one is always said
+            self._warn(f"{len(self._pending)} metric(s) could not be written to MLflow run {self.run_id}")
+
+    def write_pass(self) -> bool:
+        """Read new lines and write them; False when the store refused a batch (they stay pending)."""
+        from mlflow.entities import Metric
+
+        with self._lock:
+            for name in sorted(os.listdir(self.directory)) if os.path.isdir(self.directory) else []:
+                for line in self._new_lines(os.path.join(self.directory, name)):
+                    try:
+                        key, value, timestamp, step = line.split("\t")
+                        self._pending.append(Metric(key, float(value), int(timestamp), int(step)))
+                    except ValueError:
+                        self.unreadable += 1
+            while self._pending:
+                batch = self._pending[:BATCH]
+                try:
+                    self.client.log_batch(self.run_id, metrics=batch)
+                except Exception as exc:  # noqa: BLE001 - kept and retried; training goes on
+                    self._warn(f"writing metrics to MLflow run {self.run_id} failed (will retry): {exc}")
+                    return False
+                del self._pending[: len(batch)]
+                self.written += len(batch)
+            return True
+
+    def _new_lines(self, path: str) -> list[str]:
+        """Complete lines added since the last pass (a line being written is left for the next)."""
+        try:
+            with open(path, "rb") as f:
+                f.seek(self._offsets.get(path, 0))
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        if not data:
+            return []
+        self._offsets[path] = self._offsets.get(path, 0) + len(data)
+        data = self._partial.pop(path, b"") + data
+        complete, _, rest = data.rpartition(b"\n")
+        if rest:
+            self._partial[path] = rest
+        return complete.decode().split("\n") if complete else []
+
+    def _warn(self, message: str) -> None:
+        if not self._warned:
+            self._warned = True
+            with contextlib.suppress(Exception):
+                warnings.warn(f"air_magic: {message}", RuntimeWarning, stacklevel=2)

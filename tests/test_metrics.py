@@ -1,0 +1,214 @@
+"""Per-step metrics from every rank: batched through the caller, nothing lost (issue #9).
+
+Real ranks log through MLflow's fluent API into a real sqlite store (the file
+store and an HTTP server are covered in test_tracking.py, whose helpers use the
+same path); the assertions read the store back.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+mlflow = pytest.importorskip("mlflow")
+from mlflow.tracking import MlflowClient  # noqa: E402
+from mlflow.tracking._tracking_service import utils as tracking_utils  # noqa: E402
+
+import air_magic  # noqa: E402
+from air_magic import distributed, tracking  # noqa: E402
+
+HELPERS = os.path.join(os.path.dirname(__file__), "helpers")
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("AIR_MAGIC_MLFLOW_DIR", str(tmp_path / "mlflow"))
+    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID", "MLFLOW_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("AIR_MAGIC_METRICS", raising=False)
+    monkeypatch.setattr(tracking_utils, "_tracking_uri", None)
+    monkeypatch.setattr(mlflow.tracking.fluent, "_active_experiment_id", None)
+    return MlflowClient(tracking.embedded_uri())
+
+
+def last_run_id() -> str:
+    info = air_magic.last_run()
+    assert info is not None and info.mlflow_run_id
+    return info.mlflow_run_id
+
+
+def _log_steps(steps):
+    import os
+
+    import mlflow
+
+    rank = int(os.environ["RANK"])
+    for step in range(steps):
+        mlflow.log_metric("loss", rank + step / 10_000, step=step)
+        mlflow.log_metrics({f"rank{rank}/value": step * 2.5, f"rank{rank}/half": step / 2}, step=step)
+    return hasattr(mlflow.log_metric, "__wrapped__")  # True: the batched path was in place
+
+
+def test_four_ranks_logging_at_once_leave_every_metric_in_order(store):
+    steps = 400
+    batched = distributed(num_accelerators=4, display="none")(_log_steps).distributed(steps)
+    assert batched == [True] * 4
+    run_id = last_run_id()
+    for rank in range(4):
+        history = store.get_metric_history(run_id, f"rank{rank}/value")
+        assert [(m.step, m.value) for m in history] == [(s, s * 2.5) for s in range(steps)]
+        assert [m.value for m in store.get_metric_history(run_id, f"rank{rank}/half")] == [
+            s / 2 for s in range(steps)
+        ]
+    loss = store.get_metric_history(run_id, "loss")
+    assert sorted((m.step, m.value) for m in loss) == sorted(
+        (s, r + s / 10_000) for r in range(4) for s in range(steps)
+    )
+    timestamps = [m.timestamp for m in store.get_metric_history(run_id, "rank0/value")]
+    assert timestamps == sorted(timestamps)  # the times the rank logged them, in order
+
+
+def test_the_switch_restores_mlflows_direct_path(store, monkeypatch):
+    monkeypatch.setenv("AIR_MAGIC_METRICS", "direct")
+    assert distributed(num_accelerators=2, display="none")(_log_steps).distributed(5) == [False, False]
+    history = store.get_metric_history(last_run_id(), "rank1/value")
+    assert [m.value for m in history] == [s * 2.5 for s in range(5)]
+
+
+def _log_then_die(steps, done_dir):
+    import os
+    import signal
+    import time
+
+    import mlflow
+
+    rank = int(os.environ["RANK"])
+    for step in range(steps):
+        mlflow.log_metric(f"rank{rank}", step, step=step)
+    open(os.path.join(done_dir, str(rank)), "w").close()
+    if rank == 1:
+        while len(os.listdir(done_dir)) < 2:  # both have logged
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(60)
+
+
+@pytest.mark.fault("a rank SIGKILLed after logging metrics", "every metric it logged is in the run")
+def test_a_killed_rank_leaves_what_it_logged(store, tmp_path):
+    done = tmp_path / "done"
+    done.mkdir()
+    with pytest.raises(air_magic.RankFailedError, match="rank 1 of 2 was killed by SIGKILL"):
+        distributed(num_accelerators=2, display="none")(_log_then_die).distributed(300, str(done))
+    run_id = last_run_id()
+    assert store.get_run(run_id).info.status == "FAILED"
+    for rank in (0, 1):
+        assert [m.value for m in store.get_metric_history(run_id, f"rank{rank}")] == list(range(300))
+
+
+def _log_then_hang(steps):
+    import os
+    import time
+
+    import mlflow
+
+    for step in range(steps):
+        mlflow.log_metric(f"rank{os.environ['RANK']}", step, step=step)
+    time.sleep(600)
+
+
+@pytest.mark.fault("a timeout after ranks logged metrics", "every metric is in the run, which ends FAILED")
+def test_a_timeout_keeps_the_metrics(store):
+    with pytest.raises(air_magic.DistributedTimeoutError):
+        distributed(num_accelerators=2, display="none", timeout=8)(_log_then_hang).distributed(200)
+    run_id = last_run_id()
+    assert store.get_run(run_id).data.tags["air_magic.outcome"] == "timeout"
+    for rank in (0, 1):
+        assert len(store.get_metric_history(run_id, f"rank{rank}")) == 200
+
+
+@pytest.mark.fault("an interrupt after ranks logged metrics", "every metric is in the run, which ends KILLED")
+def test_an_interrupt_keeps_the_metrics(store, tmp_path):
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(HELPERS, "tracked_caller.py"), str(ready), "250"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 60
+    while len(os.listdir(ready)) < 2:
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "ranks did not start"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert "interrupted" in out, err
+    exp = store.get_experiment_by_name("interrupted")
+    (run,) = store.search_runs([exp.experiment_id])
+    assert run.info.status == "KILLED"
+    for rank in (0, 1):
+        assert len(store.get_metric_history(run.info.run_id, f"rank{rank}")) == 250
+
+
+def _watch_own_metric():
+    import os
+    import time
+
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    run_id = os.environ["MLFLOW_RUN_ID"]  # (MLflow's start_run, called by log_metric, removes it)
+    mlflow.log_metric("live", 1.0)
+    client = MlflowClient()
+    started = time.monotonic()
+    while time.monotonic() - started < 60:
+        if client.get_metric_history(run_id, "live"):
+            return True  # seen in the store while this rank still runs
+        time.sleep(0.05)
+    return False
+
+
+def test_metrics_reach_the_store_while_the_ranks_still_run(store):
+    assert distributed(num_accelerators=2, display="none")(_watch_own_metric).distributed() == [True, True]
+
+
+def _other_paths():
+    import os
+
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    shared = os.environ["MLFLOW_RUN_ID"]
+    rank = os.environ["RANK"]
+    mlflow.log_metric("first", 0.0)  # makes the shared run the active one, as in MLflow
+    with mlflow.start_run(run_name=f"own-{rank}", nested=True) as own:  # the rank's own run
+        mlflow.log_metric("own", 7.0, step=3)
+    mlflow.log_metric("explicit", 1.0, synchronous=True)  # MLflow's path, into the shared run
+    ops = mlflow.log_metric("async", 2.0 + int(rank), synchronous=False)
+    ops.wait()  # what MLflow returns for an asynchronous call, already done
+    try:
+        mlflow.log_metric("bad", "not a number")
+    except MlflowException as exc:
+        refused = str(exc)
+    else:
+        refused = ""
+    return shared, own.info.run_id, refused
+
+
+def test_other_runs_sync_calls_and_invalid_values_behave_as_in_mlflow(store):
+    results = distributed(num_accelerators=2, display="none")(_other_paths).distributed()
+    run_id = last_run_id()
+    for shared, own, refused in results:
+        assert shared == run_id and own != run_id
+        assert [(m.step, m.value) for m in store.get_metric_history(own, "own")] == [(3, 7.0)]
+        assert "not a number" in refused and "valid double" in refused
+    metrics = store.get_run(run_id).data.metrics
+    assert metrics["explicit"] == 1.0 and metrics["async"] in (2.0, 3.0) and "own" not in metrics
+    assert len(store.get_metric_history(run_id, "async")) == 2  # one per rank
