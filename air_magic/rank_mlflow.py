@@ -18,8 +18,8 @@ import importlib.abc
 import importlib.machinery
 import os
 import sys
-from types import ModuleType
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 from air_magic import rank_metrics

@@ -35,8 +35,8 @@ import platform
 import re
 import shutil
 import socket
-import tempfile
 import sys
+import tempfile
 import warnings
 from dataclasses import dataclass, field
 from typing import Any

@@ -47,7 +47,10 @@ CASES: dict[str, tuple[str, str, dict[str, Any], tuple[int, str]]] = {
 }
 
 
-SMALL = {"ddp": {"epochs": 2, "samples": 2000}, "fsdp2": {"steps": 20, "batch_size": 8, "seq_len": 32, "layers": 2}}
+SMALL = {
+    "ddp": {"epochs": 2, "samples": 2000},
+    "fsdp2": {"steps": 20, "batch_size": 8, "seq_len": 32, "layers": 2},
+}
 
 
 class _Tee(io.TextIOBase):
@@ -177,7 +180,9 @@ def compare(name: str, ours: list[dict[str, Any]], theirs: list[dict[str, Any]])
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--examples", nargs="+", default=list(CASES), choices=list(CASES))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write every number here too")
@@ -204,15 +209,19 @@ def main() -> None:
         rows[name] = row
         print(f"{name}: {json.dumps(row)}", flush=True)
     print()
-    print("| example | ranks | losses match (rel. tol. 1e-4) | max rel. diff | final loss air_magic / torchrun "
-          "| in-function s air_magic / torchrun | rate air_magic / torchrun | wall s air_magic / torchrun |")
+    print(
+        "| example | ranks | losses match (rel. tol. 1e-4) | max rel. diff | final loss air_magic / torchrun "
+        "| in-function s air_magic / torchrun | rate air_magic / torchrun | wall s air_magic / torchrun |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for name, r in rows.items():
         if "max_rel_diff" not in r:
             print(f"| {name} | {r['ranks']} | no: {r['why']} | | | | | |")
             continue
         rate = (
-            f"{r['air_magic_rate']:,.0f} / {r['torchrun_rate']:,.0f} {r['unit']}/s" if r["air_magic_rate"] else "n/a"
+            f"{r['air_magic_rate']:,.0f} / {r['torchrun_rate']:,.0f} {r['unit']}/s"
+            if r["air_magic_rate"]
+            else "n/a"
         )
         print(
             f"| {name} | {r['ranks']} | {'yes' if r['match'] else 'NO'} | {r['max_rel_diff']:.1e} "

@@ -13,8 +13,9 @@ Modes:
 - ``off``: the same function with ``mlflow.log_metric`` replaced by a no-op (seed only).
 
 ``flood``: every rank logs ``--metrics`` values as fast as it can into one fresh
-sqlite store (one store, a new run per mode); reports the call's wall time, the slowest rank's logging loop, and
-the rows found in the store afterwards (all must be there). ``seed``: the seed's
+sqlite store (one store, a new run per mode); reports the call's wall time, the
+slowest rank's logging loop, and the rows found in the store afterwards (all must
+be there). ``seed``: the seed's
 example as written (``examples/seed_mlp.py``: 3 epochs, batch_size 1, a
 ``log_metric`` per step per rank) on every GPU.
 """
@@ -132,7 +133,9 @@ def run_mode(case: str, mode: str, ranks: int | None, count: int) -> dict[str, A
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("case", choices=["flood", "seed"])
     parser.add_argument("--ranks", type=int, default=None, help="flood: default 8; seed: every GPU")
     parser.add_argument("--metrics", type=int, default=5000, help="flood: metrics per rank")
@@ -159,8 +162,11 @@ def main() -> None:
         print(json.dumps(row), flush=True)
     base = next((r["wall_s"] for r in rows if r["mode"] in ("off", "batched")), None)
     print()
-    print(f"| mode | ranks | call wall (s) | slowest rank's {'logging loop' if args.case == 'flood' else 'training'} (s) "
-          "| rows in store / expected | wall vs first row |")  # fmt: skip
+    measured = "logging loop" if args.case == "flood" else "training"
+    print(
+        f"| mode | ranks | call wall (s) | slowest rank's {measured} (s) "
+        "| rows in store / expected | wall vs first row |"
+    )
     print("|---|---|---|---|---|---|")
     for r in rows:
         ratio = f"{r['wall_s'] / base:.2f}x" if base else ""

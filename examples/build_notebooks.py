@@ -29,12 +29,20 @@ def cells_of(source: str) -> list[dict]:
         if kind is None or not text:
             return
         if kind == "markdown":
-            text = "\n".join(line[2:] if line.startswith("# ") else line.lstrip("#") for line in text.splitlines())
+            text = "\n".join(
+                line[2:] if line.startswith("# ") else line.lstrip("#") for line in text.splitlines()
+            )
             cells.append({"cell_type": "markdown", "metadata": {}, "source": _split(text)})
             return
         if text.startswith(GUARD):
             text = textwrap.dedent(text[len(GUARD) :].strip("\n"))
-        cell = {"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [], "source": _split(text)}
+        cell = {
+            "cell_type": "code",
+            "execution_count": None,
+            "metadata": {},
+            "outputs": [],
+            "source": _split(text),
+        }
         cells.append(cell)
 
     for line in source.splitlines():

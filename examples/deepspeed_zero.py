@@ -48,7 +48,9 @@ def train_zero(stage: int = 2, steps: int = 150, batch_size: int = 64, width: in
             return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(features, width), *[Block() for _ in range(depth)], nn.Linear(width, classes))
+    model = nn.Sequential(
+        nn.Linear(features, width), *[Block() for _ in range(depth)], nn.Linear(width, classes)
+    )
     config = {
         "train_micro_batch_size_per_gpu": batch_size,
         "gradient_accumulation_steps": 1,
@@ -82,4 +84,5 @@ def train_zero(stage: int = 2, steps: int = 150, batch_size: int = 64, width: in
 if __name__ == "__main__":
     for stage in (2, 3):
         result = train_zero.distributed(stage=stage)[0]
-        print(f"ZeRO-{stage}: {result['parameters']:,} parameters, loss {result['losses'][0]} -> {result['losses'][-1]}")
+        first, last = result["losses"][0], result["losses"][-1]
+        print(f"ZeRO-{stage}: {result['parameters']:,} parameters, loss {first} -> {last}")

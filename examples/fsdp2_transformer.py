@@ -54,7 +54,9 @@ def train_lm(steps: int = 200, batch_size: int = 32, seq_len: int = 128, layers:
             self.embed = nn.Embedding(vocab, width)
             self.pos = nn.Parameter(torch.randn(seq_len, width) * 0.02)
             self.layers = nn.ModuleList(
-                nn.TransformerEncoderLayer(width, 4, 4 * width, dropout=0.0, batch_first=True, norm_first=True)
+                nn.TransformerEncoderLayer(
+                    width, 4, 4 * width, dropout=0.0, batch_first=True, norm_first=True
+                )
                 for _ in range(layers)
             )
             self.norm = nn.LayerNorm(width)
@@ -88,7 +90,9 @@ def train_lm(steps: int = 200, batch_size: int = 32, seq_len: int = 128, layers:
             dist.all_reduce(mean)
             losses.append(round(mean.item() / world, 5))
             if rank == 0:
-                print(f"step {step}: loss {losses[-1]:.4f} (floor {entropy:.4f}, uniform {math.log(vocab):.4f})")
+                print(
+                    f"step {step}: loss {losses[-1]:.4f} (floor {entropy:.4f}, uniform {math.log(vocab):.4f})"
+                )
     dist.destroy_process_group()
     return {"losses": losses, "entropy": entropy, "tokens": steps * batch_size * seq_len * world}
 

@@ -130,7 +130,9 @@ def test_warm_ranks_use_the_gpus_and_the_starter_holds_no_cuda_context():
 
 # -- the examples, as notebooks in a real kernel (issue #7) -------------------------------
 
-EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples")
+EXAMPLES = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples"
+)
 NOTEBOOKS = {
     "seed_mlp.ipynb": ["Total loss for epoch 2:"],
     "ddp_progress.ipynb": ["rank 0: losses", "accuracy"],
@@ -145,6 +147,7 @@ def _kernel_pid(client) -> int | None:
     return getattr(process, "pid", None)
 
 
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", list(NOTEBOOKS))
 def test_example_notebook_on_every_gpu_while_the_kernel_holds_no_cuda_context(name):
     import threading
@@ -155,7 +158,11 @@ def test_example_notebook_on_every_gpu_while_the_kernel_holds_no_cuda_context(na
         pytest.importorskip("deepspeed")
     nb = nbformat.read(os.path.join(EXAMPLES, name), as_version=4)
     client = nbclient.NotebookClient(
-        nb, timeout=600, kernel_name="python3", store_widget_state=True, resources={"metadata": {"path": EXAMPLES}}
+        nb,
+        timeout=600,
+        kernel_name="python3",
+        store_widget_state=True,
+        resources={"metadata": {"path": EXAMPLES}},
     )
     seen: dict[str, set[int]] = {"on_gpu": set(), "kernel": set()}
     done = threading.Event()
