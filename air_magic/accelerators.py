@@ -88,7 +88,7 @@ def normalize_model(name: str) -> str:
 
 @dataclass(frozen=True)
 class GPU:
-    """One visible NVIDIA GPU. ``uuid`` is what goes into ``CUDA_VISIBLE_DEVICES``."""
+    """One visible NVIDIA GPU: its NVML (PCI bus order) index, which ranks get in ``CUDA_VISIBLE_DEVICES``."""
 
     index: int
     uuid: str

@@ -66,7 +66,12 @@ def rank_environment(
         # Keep gloo's pair sockets on loopback: one machine needs no other interface.
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     else:
-        # UUIDs, not indices: unambiguous whatever CUDA_DEVICE_ORDER says.
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(g.uuid for g in plan.gpus)
+        # Indices in NVML's (PCI bus) order, with CUDA told to count the same way: tools
+        # parse this variable as integers (DeepSpeed's accelerator does), so UUIDs broke
+        # them. MIG instances have no index of their own and keep their UUIDs.
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(
+            g.uuid if g.uuid.startswith("MIG-") else str(g.index) for g in plan.gpus
+        )
     env.update(extra)
     return env

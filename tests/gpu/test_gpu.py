@@ -87,7 +87,7 @@ def _visible():
 
 def test_a_subset_gets_the_right_cuda_visible_devices():
     out = distributed(num_accelerators=1, display="none")(_visible).distributed()
-    assert out == [(GPUS[0].uuid, 1)]
+    assert out == [(str(GPUS[0].index), 1)]
 
 
 def test_accelerator_type_is_checked_against_the_machine():
