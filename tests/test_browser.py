@@ -1,7 +1,8 @@
 """A real browser: JupyterLab on 127.0.0.1, headless Chromium (Debian's) driven by Playwright.
 
-Runs a ``%%distributed -n 2`` cell whose ranks print and draw a tqdm bar, and
-checks that each rank's tab shows its own lines and one redrawn bar line.
+Runs a ``%%distributed -n N`` cell (N = 2, and 8: the width of the seed's default
+node, here as CPU ranks) whose ranks print and draw a tqdm bar, and checks that
+each rank's tab shows its own lines and one redrawn bar line.
 Saves a screenshot (its path is printed; ``AIR_MAGIC_SCREENSHOT`` overrides it).
 Every wait is time-boxed; the page is driven with clicks and keys only.
 """
@@ -27,7 +28,7 @@ playwright_api = pytest.importorskip("playwright.sync_api")
 if not os.path.exists(CHROMIUM):
     pytest.skip("Debian's chromium is not installed (scripts/test.sh installs it)", allow_module_level=True)
 
-CELL = """%%distributed -n 2
+CELL = """%%distributed -n RANKS
 import os, time
 from tqdm import tqdm
 rank = int(os.environ["RANK"])
@@ -44,8 +45,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def lab(tmp_path):
+@pytest.fixture(params=[2, 8], ids=["2-ranks", "8-ranks"])
+def lab(request, tmp_path):
+    ranks = request.param
     root = tmp_path / "root"
     root.mkdir()
     notebook = {
@@ -57,7 +59,13 @@ def lab(tmp_path):
                 "outputs": [],
                 "execution_count": None,
             },
-            {"cell_type": "code", "metadata": {}, "source": CELL, "outputs": [], "execution_count": None},
+            {
+                "cell_type": "code",
+                "metadata": {},
+                "source": CELL.replace("RANKS", str(ranks)),
+                "outputs": [],
+                "execution_count": None,
+            },
         ],
         "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
         "nbformat": 4,
@@ -105,7 +113,7 @@ def lab(tmp_path):
             assert time.monotonic() < deadline, "JupyterLab did not start"
             assert server.poll() is None, "JupyterLab exited"
             time.sleep(0.2)
-    yield f"{base}/lab/tree/demo.ipynb?token={token}"
+    yield f"{base}/lab/tree/demo.ipynb?token={token}", ranks
     server.terminate()
     try:
         server.wait(15)
@@ -115,7 +123,9 @@ def lab(tmp_path):
 
 
 def test_live_tabs_in_jupyterlab(lab, tmp_path):
+    url, ranks = lab
     shot = Path(os.environ.get("AIR_MAGIC_SCREENSHOT", tmp_path / "air_magic_tabs.png"))
+    shot = shot.with_name(f"{shot.stem}-{ranks}{shot.suffix}")
     with playwright_api.sync_playwright() as p:
         browser = p.chromium.launch(
             executable_path=CHROMIUM,
@@ -132,7 +142,7 @@ def test_live_tabs_in_jupyterlab(lab, tmp_path):
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 900})
             page.set_default_timeout(60_000)
-            page.goto(lab)
+            page.goto(url)
             page.wait_for_selector("#jp-main-statusbar >> text=Idle", timeout=90_000)
             first = page.locator(".jp-Notebook .jp-Cell").first
             first.click()
@@ -142,26 +152,28 @@ def test_live_tabs_in_jupyterlab(lab, tmp_path):
             run = page.locator(".air-magic-run")
             run.wait_for(timeout=60_000)
             tabs = run.locator(".lm-TabBar-tab")
-            for rank in (0, 1):
+            for rank in range(ranks):
                 tabs.filter(has_text=f"rank {rank} ✓").wait_for(timeout=90_000)
             page.wait_for_selector("#jp-main-statusbar >> text=Idle", timeout=30_000)
             texts = {}
             if os.environ.get("AIR_MAGIC_DEBUG_DOM"):
                 Path(os.environ["AIR_MAGIC_DEBUG_DOM"]).write_text(run.inner_html())
-            for rank in (0, 1):
-                tabs.filter(has_text=f"rank {rank}").click()
+            for rank in range(ranks):
+                tabs.filter(has_text=f"rank {rank} ✓").click()
                 panel = run.locator(".widget-tab-contents .widget-output").nth(rank)
                 panel.wait_for(state="visible", timeout=10_000)
                 texts[rank] = panel.inner_text()
-                if rank == 1:
+                if rank == ranks - 1:
                     page.screenshot(path=str(shot), full_page=True)
+            tabs_titles_count = tabs.count()
             print(f"\nscreenshot: {shot}")
         finally:
             browser.close()
-    for rank in (0, 1):
+    assert tabs_titles_count == ranks
+    for rank in range(ranks):
         text = texts[rank]
         assert f"hello from rank {rank}" in text and f"rank {rank} done" in text
-        assert f"hello from rank {1 - rank}" not in text
+        assert not any(f"hello from rank {other}\n" in text for other in range(ranks) if other != rank)
         bars = [line for line in text.splitlines() if f"rank {rank} bar" in line]
         assert len(bars) == 1, text  # redrawn in place, not one line per update
         assert "30/30" in bars[0]
