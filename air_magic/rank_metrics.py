@@ -75,6 +75,7 @@ def patch_fluent(fluent: ModuleType) -> None:
     sink = _MetricFile(wire.metrics_path(os.environ[wire.ENV_METRICS_DIR], os.environ.get("RANK", "0")))
     direct_metric, direct_metrics = fluent.log_metric, fluent.log_metrics
     get_or_start = getattr(fluent, "_get_or_start_run", fluent.active_run)
+    active_model = getattr(fluent, "get_active_model_id", lambda: None)  # MLflow 3; absent in 2.x
 
     def for_us(synchronous: Any, run_id: Any, model_id: Any, dataset: Any) -> bool:
         if synchronous or model_id is not None or dataset is not None:
@@ -86,7 +87,7 @@ def patch_fluent(fluent: ModuleType) -> None:
         active = get_or_start()  # as MLflow does: resumes the shared run after an end_run()
         if active is None or active.info.run_id != shared:
             return False  # the rank's code started a run of its own
-        return fluent.get_active_model_id() is None
+        return active_model() is None
 
     def answer(synchronous: Any) -> Any:
         asynchronous = synchronous is False or (synchronous is None and MLFLOW_ENABLE_ASYNC_LOGGING.get())
@@ -104,7 +105,8 @@ def patch_fluent(fluent: ModuleType) -> None:
         dataset: Any = None,
     ) -> Any:
         if not for_us(synchronous, run_id, model_id, dataset):
-            return direct_metric(key, value, step, synchronous, timestamp, run_id, model_id, dataset)
+            given = _given(step=step, synchronous=synchronous, timestamp=timestamp, run_id=run_id)
+            return direct_metric(key, value, **given, **_given(model_id=model_id, dataset=dataset))
         timestamp = timestamp or int(time.time() * 1000)
         step = step or 0
         _validate_metric(key, value, timestamp, step)  # the same error, at the user's line
@@ -122,7 +124,8 @@ def patch_fluent(fluent: ModuleType) -> None:
         dataset: Any = None,
     ) -> Any:
         if not for_us(synchronous, run_id, model_id, dataset):
-            return direct_metrics(metrics, step, synchronous, run_id, timestamp, model_id, dataset)
+            given = _given(step=step, synchronous=synchronous, run_id=run_id, timestamp=timestamp)
+            return direct_metrics(metrics, **given, **_given(model_id=model_id, dataset=dataset))
         timestamp = timestamp or int(time.time() * 1000)
         step = step or 0
         lines = []
@@ -134,3 +137,8 @@ def patch_fluent(fluent: ModuleType) -> None:
 
     setattr(fluent, "log_metric", log_metric)  # noqa: B010 - a module attribute mypy cannot see
     setattr(fluent, "log_metrics", log_metrics)  # noqa: B010
+
+
+def _given(**arguments: Any) -> dict[str, Any]:
+    """The arguments the user passed: MLflow 2.x's functions take fewer keywords than 3.x's."""
+    return {name: value for name, value in arguments.items() if value is not None}

@@ -2,6 +2,7 @@
 
     python benchmarks/metrics_logging.py flood [--ranks 8] [--metrics 5000] [--modes ...]
     python benchmarks/metrics_logging.py seed  [--modes off batched direct]   # needs GPUs
+    python benchmarks/metrics_logging.py latency [--metrics 20]
 
 Modes:
 
@@ -11,6 +12,11 @@ Modes:
   buffers its metrics and a thread in the rank writes them with ``log_batch`` every
   0.5 s (flood only; the benchmark's own code, not a mode of air_magic).
 - ``off``: the same function with ``mlflow.log_metric`` replaced by a no-op (seed only).
+
+``latency``: rank 0 logs one metric, then reads the store until it is there, ``--metrics``
+times in a row while rank 1 trains nothing; reports the median and worst seconds from
+``log_metric`` to visible in the store (the batched path; MLflow's direct path is
+visible on return).
 
 ``flood``: every rank logs ``--metrics`` values as fast as it can into one fresh
 sqlite store (one store, a new run per mode); reports the call's wall time, the
@@ -81,6 +87,28 @@ def flood(count: int, mode: str) -> float:
     return time.perf_counter() - start
 
 
+def visible_after(count: int) -> list[float]:
+    """In a rank: seconds from ``log_metric`` until ``MlflowClient`` reads the value back."""
+    import os
+    import time
+
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    if os.environ["RANK"] != "0":
+        return []
+    run_id = os.environ["MLFLOW_RUN_ID"]
+    client = MlflowClient()
+    took = []
+    for i in range(count):
+        start = time.perf_counter()
+        mlflow.log_metric("probe", float(i), step=i)
+        while len(client.get_metric_history(run_id, "probe")) <= i:
+            time.sleep(0.01)
+        took.append(time.perf_counter() - start)
+    return took
+
+
 def seed_example(mode: str) -> float:
     """In a rank: the seed's ``run_train`` as written; ``off`` makes ``log_metric`` a no-op."""
     import sys
@@ -136,13 +164,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("case", choices=["flood", "seed"])
+    parser.add_argument("case", choices=["flood", "seed", "latency"])
     parser.add_argument("--ranks", type=int, default=None, help="flood: default 8; seed: every GPU")
     parser.add_argument("--metrics", type=int, default=5000, help="flood: metrics per rank")
     parser.add_argument("--modes", nargs="+", default=None)
     parser.add_argument("--json", help="write the rows here too")
     args = parser.parse_args()
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    if args.case == "latency":
+        from air_magic import distributed
+
+        os.environ["AIR_MAGIC_MLFLOW_DIR"] = tempfile.mkdtemp(prefix="metrics-bench-")
+        took = sorted(
+            distributed(num_accelerators=2, display="none")(visible_after).distributed(args.metrics)[0]
+        )
+        median = took[len(took) // 2]
+        print(f"log_metric -> visible in the store, {len(took)} samples: median {median:.2f} s, "
+              f"best {took[0]:.2f} s, worst {took[-1]:.2f} s")  # fmt: skip
+        return
     if args.case == "flood":
         modes = args.modes or ["batched", "rank-batch", "direct"]
         ranks = args.ranks or 8

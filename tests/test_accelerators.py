@@ -97,3 +97,29 @@ def test_cuda_visible_devices_by_index_and_uuid():
     assert [g.index for g in apply_visible_devices(four, "GPU-333,1")] == [3, 1]
     assert apply_visible_devices(four, "") == []
     assert [g.index for g in apply_visible_devices(four, "1,9,2")] == [1]  # CUDA stops at a bad entry
+
+
+def test_ranks_get_gpu_indices_in_pci_order_and_mig_uuids():
+    """Indices, not UUIDs: DeepSpeed parses CUDA_VISIBLE_DEVICES as integers (found on 2xH200)."""
+    from air_magic.accelerators import AcceleratorPlan
+    from air_magic.rank_env import rank_environment
+
+    def env_for(gpus):
+        plan = AcceleratorPlan(world_size=len(gpus), gpus=tuple(gpus), detected="test")
+        return rank_environment(
+            rank=0,
+            plan=plan,
+            port=1,
+            run_id="r",
+            run_dir="/d",
+            log_dir="/l",
+            lifeline_fd=3,
+            extra={},
+            base={},
+        )
+
+    picked = [GPU(2, "GPU-2222-x", "NVIDIA H200"), GPU(3, "GPU-3333-x", "NVIDIA H200")]
+    env = env_for(picked)
+    assert env["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"  # so CUDA counts as NVML does
+    assert env_for([GPU(0, "MIG-abcd", "NVIDIA A100")])["CUDA_VISIBLE_DEVICES"] == "MIG-abcd"

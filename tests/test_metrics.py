@@ -212,3 +212,14 @@ def test_other_runs_sync_calls_and_invalid_values_behave_as_in_mlflow(store):
     metrics = store.get_run(run_id).data.metrics
     assert metrics["explicit"] == 1.0 and metrics["async"] in (2.0, 3.0) and "own" not in metrics
     assert len(store.get_metric_history(run_id, "async")) == 2  # one per rank
+
+
+def test_a_file_store_gets_the_batched_metrics_too(store, tmp_path, monkeypatch):
+    uri = (tmp_path / "mlruns").as_uri()  # MLflow's file store: file:///...
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3.17 refuses file stores otherwise
+    assert distributed(num_accelerators=2, display="none")(_log_steps).distributed(50) == [True, True]
+    client = MlflowClient(uri)
+    history = client.get_metric_history(last_run_id(), "rank1/value")
+    assert [(m.step, m.value) for m in history] == [(s, s * 2.5) for s in range(50)]
+    assert client.get_run(last_run_id()).info.status == "FINISHED"
