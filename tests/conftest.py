@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import ctypes
 import os
+import signal
+import subprocess
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -121,3 +125,24 @@ def run_ranks(fn, *args, n=2, **settings):
         if after is not before and after.mlflow_run_id:
             assert mlflow_status(after) == "FAILED"
         raise
+
+
+def interrupt_tracked_caller(folder: Path, metrics_per_rank: int = 0) -> tuple[str, str]:
+    """Run tests/helpers/tracked_caller.py (experiment 'interrupted'), SIGINT it once both ranks
+    have logged ``metrics_per_rank`` metrics and are asleep; return its stdout and stderr."""
+    ready = folder / "ready"
+    ready.mkdir()
+    script = os.path.join(os.path.dirname(__file__), "helpers", "tracked_caller.py")
+    proc = subprocess.Popen(
+        [sys.executable, script, str(ready), str(metrics_per_rank)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 60
+    while len(os.listdir(ready)) < 2:
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "ranks did not start"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    return proc.communicate(timeout=60)

@@ -9,20 +9,17 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
 mlflow = pytest.importorskip("mlflow")
+from conftest import interrupt_tracked_caller  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 from mlflow.tracking._tracking_service import utils as tracking_utils  # noqa: E402
 
 import air_magic  # noqa: E402
 from air_magic import distributed, tracking  # noqa: E402
-
-HELPERS = os.path.join(os.path.dirname(__file__), "helpers")
 
 
 @pytest.fixture
@@ -44,7 +41,6 @@ def last_run_id() -> str:
 
 
 def _log_steps(steps):
-    import os
 
     import mlflow
 
@@ -82,8 +78,6 @@ def test_the_switch_restores_mlflows_direct_path(store, monkeypatch):
 
 
 def _log_then_die(steps, done_dir):
-    import os
-    import signal
     import time
 
     import mlflow
@@ -112,8 +106,6 @@ def test_a_killed_rank_leaves_what_it_logged(store, tmp_path):
 
 
 def _log_then_hang(steps):
-    import os
-    import time
 
     import mlflow
 
@@ -134,21 +126,7 @@ def test_a_timeout_keeps_the_metrics(store):
 
 @pytest.mark.fault("an interrupt after ranks logged metrics", "every metric is in the run, which ends KILLED")
 def test_an_interrupt_keeps_the_metrics(store, tmp_path):
-    ready = tmp_path / "ready"
-    ready.mkdir()
-    proc = subprocess.Popen(
-        [sys.executable, os.path.join(HELPERS, "tracked_caller.py"), str(ready), "250"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    deadline = time.monotonic() + 60
-    while len(os.listdir(ready)) < 2:
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "ranks did not start"
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
+    out, err = interrupt_tracked_caller(tmp_path, metrics_per_rank=250)
     assert "interrupted" in out, err
     exp = store.get_experiment_by_name("interrupted")
     (run,) = store.search_runs([exp.experiment_id])
@@ -158,8 +136,6 @@ def test_an_interrupt_keeps_the_metrics(store, tmp_path):
 
 
 def _watch_own_metric():
-    import os
-    import time
 
     import mlflow
     from mlflow.tracking import MlflowClient
@@ -180,7 +156,6 @@ def test_metrics_reach_the_store_while_the_ranks_still_run(store):
 
 
 def _other_paths():
-    import os
 
     import mlflow
     from mlflow.exceptions import MlflowException

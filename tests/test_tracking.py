@@ -7,7 +7,6 @@ subprocess on 127.0.0.1 (an HTTP tracking URI).
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -17,13 +16,12 @@ from pathlib import Path
 import pytest
 
 mlflow = pytest.importorskip("mlflow")
+from conftest import interrupt_tracked_caller  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 from mlflow.tracking._tracking_service import utils as tracking_utils  # noqa: E402
 
 import air_magic  # noqa: E402
 from air_magic import distributed, mlflow_ui, tracking  # noqa: E402
-
-HELPERS = os.path.join(os.path.dirname(__file__), "helpers")
 
 
 @pytest.fixture
@@ -137,21 +135,7 @@ def test_failed_on_a_rank_error_and_on_timeout(store):
 
 @pytest.mark.fault("an interrupted tracked call", "the MLflow run ends KILLED")
 def test_killed_on_interrupt(store, tmp_path):
-    ready = tmp_path / "ready"
-    ready.mkdir()
-    proc = subprocess.Popen(
-        [sys.executable, os.path.join(HELPERS, "tracked_caller.py"), str(ready)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    deadline = time.monotonic() + 60
-    while len(os.listdir(ready)) < 2:
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "ranks did not start"
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
+    out, err = interrupt_tracked_caller(tmp_path)
     assert "interrupted" in out, err
     run = only_run(store, "interrupted")
     assert run.info.status == "KILLED" and run.data.tags["air_magic.outcome"] == "interrupted"
