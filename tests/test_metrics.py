@@ -198,3 +198,29 @@ def test_a_file_store_gets_the_batched_metrics_too(store, tmp_path, monkeypatch)
     history = client.get_metric_history(last_run_id(), "rank1/value")
     assert [(m.step, m.value) for m in history] == [(s, s * 2.5) for s in range(50)]
     assert client.get_run(last_run_id()).info.status == "FINISHED"
+
+
+def _log_then_raise(steps):
+    import os
+
+    import mlflow
+
+    rank = int(os.environ["RANK"])
+    for step in range(steps):
+        # The user's own timestamps (ms) travel as given.
+        mlflow.log_metric(f"rank{rank}", step, step=step, timestamp=1_700_000_000_000 + step)
+    if rank == 0:
+        raise ValueError("rank 0 gave up after logging")
+    return rank
+
+
+@pytest.mark.fault("a rank raises after logging metrics", "every metric it logged is in the run")
+def test_a_raising_rank_keeps_its_metrics_with_the_users_timestamps(store):
+    with pytest.raises(ValueError, match="rank 0 gave up"):
+        distributed(num_accelerators=2, display="none")(_log_then_raise).distributed(100)
+    run_id = last_run_id()
+    for rank in (0, 1):
+        history = store.get_metric_history(run_id, f"rank{rank}")
+        assert [(m.step, m.value, m.timestamp) for m in history] == [
+            (s, float(s), 1_700_000_000_000 + s) for s in range(100)
+        ]
