@@ -37,7 +37,6 @@ class MetricWriter:
         self.directory = directory
         self.interval_s = interval_s
         self.written = 0
-        self.unreadable = 0  # lines that were not ours (never expected)
         self._offsets: dict[str, int] = {}
         self._partial: dict[str, bytes] = {}
         self._pending: list[Any] = []
@@ -53,7 +52,14 @@ class MetricWriter:
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
-            self.write_pass()
+            self._safe_pass()
+
+    def _safe_pass(self) -> bool:
+        try:
+            return self.write_pass()
+        except Exception as exc:  # noqa: BLE001 - this thread must live on; the error is said once
+            self._warn(f"reading the ranks' metrics failed: {exc!r}")
+            return False
 
     def close(self) -> None:
         """Stop the thread and write everything the ranks logged. Never raises."""
@@ -61,7 +67,7 @@ class MetricWriter:
         if self._thread is not None:
             self._thread.join()
         for _ in range(3):  # a store that failed once may answer on a retry
-            if self.write_pass() and not self._pending:
+            if self._safe_pass() and not self._pending:
                 break
         if self._pending:
             self._warned = False  # this one is always said
@@ -78,7 +84,7 @@ class MetricWriter:
                         key, value, timestamp, step = line.split("\t")
                         self._pending.append(Metric(key, float(value), int(timestamp), int(step)))
                     except ValueError:
-                        self.unreadable += 1
+                        self._warn(f"skipped a line that is not a metric: {line[:80]!r}")
             while self._pending:
                 batch = self._pending[:BATCH]
                 try:

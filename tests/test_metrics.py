@@ -224,3 +224,22 @@ def test_a_raising_rank_keeps_its_metrics_with_the_users_timestamps(store):
         assert [(m.step, m.value, m.timestamp) for m in history] == [
             (s, float(s), 1_700_000_000_000 + s) for s in range(100)
         ]
+
+
+def test_the_writer_takes_only_complete_lines(store, tmp_path):
+    """A line caught half-written is left for the next pass, then written whole."""
+    from air_magic.metric_writer import MetricWriter
+
+    experiment = store.create_experiment("writer", artifact_location=(tmp_path / "a").as_uri())
+    run_id = store.create_run(experiment).info.run_id
+    folder = tmp_path / "metrics"
+    folder.mkdir()
+    lines = folder / "rank-0.tsv"
+    lines.write_text("loss\t0.5\t1700000000000\t0\nloss\t0.2")
+    writer = MetricWriter(store, run_id, str(folder))
+    assert writer.write_pass() and writer.written == 1
+    with lines.open("a") as f:
+        f.write("5\t1700000000001\t1\n")
+    assert writer.write_pass() and writer.written == 2
+    writer.close()
+    assert [(m.step, m.value) for m in store.get_metric_history(run_id, "loss")] == [(0, 0.5), (1, 0.25)]
