@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import threading
 import time
 from types import ModuleType
@@ -135,8 +136,16 @@ def patch_fluent(fluent: ModuleType) -> None:
         sink.append("".join(lines))
         return answer(synchronous)
 
-    setattr(fluent, "log_metric", log_metric)  # noqa: B010 - a module attribute mypy cannot see
-    setattr(fluent, "log_metrics", log_metrics)  # noqa: B010
+    package = sys.modules.get("mlflow")
+    for name, ours, theirs in (
+        ("log_metric", log_metric, direct_metric),
+        ("log_metrics", log_metrics, direct_metrics),
+    ):
+        setattr(fluent, name, ours)
+        # Normally the hook runs before ``mlflow/__init__`` binds these names; when mlflow was
+        # imported before the rank started (a warm starter preloading it), rebind them here.
+        if package is not None and getattr(package, name, None) is theirs:
+            setattr(package, name, ours)
 
 
 def _given(**arguments: Any) -> dict[str, Any]:

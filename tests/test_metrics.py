@@ -243,3 +243,9 @@ def test_the_writer_takes_only_complete_lines(store, tmp_path):
     assert writer.write_pass() and writer.written == 2
     writer.close()
     assert [(m.step, m.value) for m in store.get_metric_history(run_id, "loss")] == [(0, 0.5), (1, 0.25)]
+
+
+def test_batched_when_the_warm_starter_preloaded_mlflow(store, monkeypatch):
+    monkeypatch.setenv("AIR_MAGIC_PRELOAD", "torch,mlflow")  # a new starter, with mlflow imported
+    assert distributed(num_accelerators=2, display="none")(_log_steps).distributed(5) == [True, True]
+    assert len(store.get_metric_history(last_run_id(), "loss")) == 10
