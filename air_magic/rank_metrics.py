@@ -90,7 +90,14 @@ def patch_fluent(fluent: ModuleType) -> None:
             return False  # the rank's code started a run of its own
         return active_model() is None
 
-    def answer(synchronous: Any) -> Any:
+    def record(metrics: dict[str, Any], step: int | None, timestamp: int | None, synchronous: Any) -> Any:
+        timestamp = timestamp or int(time.time() * 1000)
+        step = step or 0
+        lines = []
+        for key, value in metrics.items():
+            _validate_metric(key, value, timestamp, step)  # the same error, at the user's line
+            lines.append(f"{key}\t{float(value)!r}\t{timestamp}\t{step}\n")
+        sink.append("".join(lines))
         asynchronous = synchronous is False or (synchronous is None and MLFLOW_ENABLE_ASYNC_LOGGING.get())
         return RunOperations([]) if asynchronous else None  # what MLflow returns, already complete
 
@@ -108,11 +115,7 @@ def patch_fluent(fluent: ModuleType) -> None:
         if not for_us(synchronous, run_id, model_id, dataset):
             given = _given(step=step, synchronous=synchronous, timestamp=timestamp, run_id=run_id)
             return direct_metric(key, value, **given, **_given(model_id=model_id, dataset=dataset))
-        timestamp = timestamp or int(time.time() * 1000)
-        step = step or 0
-        _validate_metric(key, value, timestamp, step)  # the same error, at the user's line
-        sink.append(f"{key}\t{float(value)!r}\t{timestamp}\t{step}\n")
-        return answer(synchronous)
+        return record({key: value}, step, timestamp, synchronous)
 
     @functools.wraps(direct_metrics)
     def log_metrics(
@@ -127,14 +130,7 @@ def patch_fluent(fluent: ModuleType) -> None:
         if not for_us(synchronous, run_id, model_id, dataset):
             given = _given(step=step, synchronous=synchronous, run_id=run_id, timestamp=timestamp)
             return direct_metrics(metrics, **given, **_given(model_id=model_id, dataset=dataset))
-        timestamp = timestamp or int(time.time() * 1000)
-        step = step or 0
-        lines = []
-        for key, value in metrics.items():
-            _validate_metric(key, value, timestamp, step)
-            lines.append(f"{key}\t{float(value)!r}\t{timestamp}\t{step}\n")
-        sink.append("".join(lines))
-        return answer(synchronous)
+        return record(metrics, step, timestamp, synchronous)
 
     package = sys.modules.get("mlflow")
     for name, ours, theirs in (

@@ -102,6 +102,32 @@ def no_leftovers():
     assert not stray, f"run directories left behind: {stray}"
 
 
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    """A fresh embedded MLflow store, and no MLflow configuration left over from another test."""
+    mlflow = pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+    from mlflow.tracking._tracking_service import utils as tracking_utils
+
+    from air_magic import tracking
+
+    monkeypatch.chdir(tmp_path)  # MLflow's own defaults (./mlruns) must not land in the repository
+    monkeypatch.setenv("AIR_MAGIC_MLFLOW_DIR", str(tmp_path / "mlflow"))
+    for name in (
+        "MLFLOW_TRACKING_URI",
+        "MLFLOW_EXPERIMENT_NAME",
+        "MLFLOW_EXPERIMENT_ID",
+        "MLFLOW_RUN_ID",
+        "AIR_MAGIC_METRICS",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(tracking_utils, "_tracking_uri", None)
+    monkeypatch.setattr(mlflow.tracking.fluent, "_active_experiment_id", None)
+    yield MlflowClient(tracking.embedded_uri())
+    while mlflow.active_run():
+        mlflow.end_run()
+
+
 def mlflow_status(info) -> str:
     """The MLflow status of a run's call, read back from the session's embedded store."""
     from mlflow.tracking import MlflowClient

@@ -18,24 +18,9 @@ import pytest
 mlflow = pytest.importorskip("mlflow")
 from conftest import interrupt_tracked_caller  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
-from mlflow.tracking._tracking_service import utils as tracking_utils  # noqa: E402
 
 import air_magic  # noqa: E402
 from air_magic import distributed, mlflow_ui, tracking  # noqa: E402
-
-
-@pytest.fixture
-def store(tmp_path, monkeypatch):
-    """A fresh embedded store, and no MLflow configuration left over from another test."""
-    monkeypatch.chdir(tmp_path)  # MLflow's own defaults (./mlruns) must not land in the repository
-    monkeypatch.setenv("AIR_MAGIC_MLFLOW_DIR", str(tmp_path / "mlflow"))
-    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID", "MLFLOW_RUN_ID"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(tracking_utils, "_tracking_uri", None)
-    monkeypatch.setattr(mlflow.tracking.fluent, "_active_experiment_id", None)
-    yield MlflowClient(tracking.embedded_uri())
-    while mlflow.active_run():
-        mlflow.end_run()
 
 
 def only_run(client, experiment=None):
