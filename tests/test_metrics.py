@@ -104,7 +104,7 @@ def _log_then_hang(steps):
 @pytest.mark.fault("a timeout after ranks logged metrics", "every metric is in the run, which ends FAILED")
 def test_a_timeout_keeps_the_metrics(store):
     with pytest.raises(air_magic.DistributedTimeoutError):
-        distributed(num_accelerators=2, display="none", timeout=8)(_log_then_hang).distributed(200)
+        distributed(num_accelerators=2, display="none", timeout=15)(_log_then_hang).distributed(200)
     run_id = last_run_id()
     assert store.get_run(run_id).data.tags["air_magic.outcome"] == "timeout"
     for rank in (0, 1):
@@ -192,25 +192,22 @@ def _log_then_raise(steps):
 
     import mlflow
 
-    rank = int(os.environ["RANK"])
+    if os.environ["RANK"] != "0":
+        return 1  # (a rank still importing mlflow when rank 0 fails would be stopped before logging)
     for step in range(steps):
         # The user's own timestamps (ms) travel as given.
-        mlflow.log_metric(f"rank{rank}", step, step=step, timestamp=1_700_000_000_000 + step)
-    if rank == 0:
-        raise ValueError("rank 0 gave up after logging")
-    return rank
+        mlflow.log_metric("rank0", step, step=step, timestamp=1_700_000_000_000 + step)
+    raise ValueError("rank 0 gave up after logging")
 
 
 @pytest.mark.fault("a rank raises after logging metrics", "every metric it logged is in the run")
 def test_a_raising_rank_keeps_its_metrics_with_the_users_timestamps(store):
     with pytest.raises(ValueError, match="rank 0 gave up"):
         distributed(num_accelerators=2, display="none")(_log_then_raise).distributed(100)
-    run_id = last_run_id()
-    for rank in (0, 1):
-        history = store.get_metric_history(run_id, f"rank{rank}")
-        assert [(m.step, m.value, m.timestamp) for m in history] == [
-            (s, float(s), 1_700_000_000_000 + s) for s in range(100)
-        ]
+    history = store.get_metric_history(last_run_id(), "rank0")
+    assert [(m.step, m.value, m.timestamp) for m in history] == [
+        (s, float(s), 1_700_000_000_000 + s) for s in range(100)
+    ]
 
 
 def test_the_writer_takes_only_complete_lines(store, tmp_path):
