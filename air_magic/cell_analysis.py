@@ -2,12 +2,17 @@
 
 Pure functions over the cell's source (no IPython, no processes):
 
-- :func:`names_read`: names the cell reads before (or without) assigning them
-  itself, at module level or as globals inside the functions and classes it
-  defines. Those are the candidates to send from the notebook.
-- :func:`names_assigned`: names the cell binds at module level (assignments,
-  ``def``, ``class``, imports, ``for``/``with`` targets), in order. Those are
-  the names brought back from rank 0.
+- :func:`names_read`: names the cell needs from outside before (or without)
+  assigning them itself: read, updated (``x += 1``) or deleted (``del x``), at
+  module level or as globals inside the functions and classes it defines.
+  Those are the candidates to send from the notebook.
+- :func:`names_assigned`: names the cell binds or deletes at module level
+  (assignments, ``def``, ``class``, imports, ``for``/``with`` targets, ``del``),
+  in order. Those are the names brought back from rank 0.
+- :func:`names_deleted`: the names of ``del`` statements at module level (deleted
+  in the notebook too when rank 0 ends without them).
+- :func:`star_imports`: the modules of ``from m import *`` (the rank brings back
+  the names they bound: they cannot be read from the source).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ _COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)
 
 
 def names_read(tree: ast.Module) -> list[str]:
-    """Names read from outside the cell, in order of first use."""
+    """Names the cell reads, updates or deletes before assigning them, in order of first use."""
     assigned: set[str] = set()
     read: dict[str, None] = {}
     for stmt in tree.body:
@@ -30,7 +35,7 @@ def names_read(tree: ast.Module) -> list[str]:
                 read.setdefault(name, None)
         stores = _stores(stmt)
         # Nested bodies run later, once this statement has bound its own names (def f: ... f()).
-        for name in _nested_globals(stmt) + _comprehension_reads(stmt):
+        for name in _nested_globals(stmt) + _nested_global_updates(stmt) + _comprehension_reads(stmt):
             if name not in assigned and name not in stores:
                 read.setdefault(name, None)
         assigned.update(stores)
@@ -43,6 +48,32 @@ def names_assigned(tree: ast.Module) -> list[str]:
         for name in _stores(stmt):
             out.setdefault(name, None)
     return list(out)
+
+
+def names_deleted(tree: ast.Module) -> list[str]:
+    return list(
+        dict.fromkeys(
+            node.id
+            for stmt in tree.body
+            for node in _walk_scope(stmt)
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Del)
+        )
+    )
+
+
+def star_imports(tree: ast.Module) -> list[str]:
+    """Modules the cell star-imports at module level (``from m import *``; relative ones cannot run there)."""
+    return list(
+        dict.fromkeys(
+            node.module
+            for stmt in tree.body
+            for node in _walk_scope(stmt)
+            if isinstance(node, ast.ImportFrom)
+            and node.module
+            and node.level == 0
+            and any(alias.name == "*" for alias in node.names)
+        )
+    )
 
 
 def _walk_scope(node: ast.AST) -> Iterator[ast.AST]:
@@ -69,7 +100,15 @@ def _walk_scope(node: ast.AST) -> Iterator[ast.AST]:
 
 
 def _loads(stmt: ast.stmt) -> list[str]:
-    return [n.id for n in _walk_scope(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)]
+    """Names ``stmt`` needs bound when it runs: read, updated in place or deleted."""
+    names: list[str] = []
+    for node in _walk_scope(stmt):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Load, ast.Del)):
+            names.append(node.id)
+        elif isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name):
+            # The target of ``x += 1`` is a Store, yet x is read first.
+            names.append(node.target.id)
+    return names
 
 
 def _stores(stmt: ast.stmt) -> list[str]:
@@ -94,6 +133,39 @@ def _comprehension_reads(stmt: ast.stmt) -> list[str]:
         own = {n.id for n in inner if isinstance(n.ctx, ast.Store)}
         names += [n.id for n in inner if isinstance(n.ctx, ast.Load) and n.id not in own]
     return names
+
+
+def _nested_global_updates(stmt: ast.stmt) -> list[str]:
+    """Globals that functions defined by ``stmt`` update or delete (``global acc; acc += 1``).
+
+    symtable does not count those as referenced, yet they need the notebook's value.
+    """
+    names: list[str] = []
+    for fn in ast.walk(stmt):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        own = list(_own_nodes(fn))
+        declared = {name for node in own if isinstance(node, ast.Global) for name in node.names}
+        for node in own:
+            if isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name):
+                target = node.target.id
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Del):
+                target = node.id
+            else:
+                continue
+            if target in declared:
+                names.append(target)
+    return names
+
+
+def _own_nodes(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> Iterator[ast.AST]:
+    """The nodes of a function's body, not those of the scopes nested in it."""
+    stack: list[ast.AST] = list(fn.body)
+    while stack:
+        current = stack.pop()
+        yield current
+        if not isinstance(current, _SCOPES):
+            stack.extend(ast.iter_child_nodes(current))
 
 
 def _nested_globals(stmt: ast.stmt) -> list[str]:

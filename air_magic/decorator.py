@@ -22,7 +22,7 @@ from air_magic.errors import ConfigurationError, DirectCallError
 from air_magic.events import Consumer, EventBus
 from air_magic.history import RunHistory
 from air_magic.launcher import LaunchRequest, LocalLauncher, RunResult
-from air_magic.payload import build_payload
+from air_magic.payload import build_payload, remember_module_file
 from air_magic.settings import _UNSET, LaunchSettings, make_settings
 from air_magic.widget_display import make_consumers
 
@@ -45,6 +45,7 @@ class DistributedFunction(Generic[R]):
             raise TypeError(f"@distributed needs a function, got {func!r}")
         self.func = func
         self.settings = settings
+        remember_module_file(func)  # so a later edit of its file does not reach the ranks half-way
         try:
             self._signature = inspect.signature(func)
         except (ValueError, TypeError):  # some builtins have none: accept any arguments
@@ -89,12 +90,14 @@ def launch(
             "a rank cannot start ranks of its own. Call the function directly there (fn.func(...))."
         )
     if settings.warm_start:
-        warm.prestart()  # first: it imports torch while this process does its own imports
+        # First: it imports torch while this process does its own imports. The call's env=
+        # may hold start-up variables (PYTHONHASHSEED...), which the starter must start with.
+        warm.prestart(settings.log_dir, settings.env)
     plan = plan_accelerators(settings.num_accelerators, settings.accelerator_type)
     payload = build_payload(func, bound, settings.max_payload_bytes)
-    tracked = None
+    run_start = None
     if settings.tracking:
-        tracked = tracking.start_run(
+        run_start = tracking.RunStart(
             name=name,
             kind=kind,
             source=source if source is not None else _source_of(func),
@@ -103,24 +106,28 @@ def launch(
             accelerator_type=settings.accelerator_type.name if settings.accelerator_type else None,
             experiment=settings.experiment,
             run_name=settings.run_name,
+            log_root=settings.log_dir,
         )
-    request = LaunchRequest(
-        name=name,
-        payload=payload,
-        plan=plan,
-        timeout=settings.timeout,
-        env={**(tracked.env if tracked else {}), **settings.env},
-        log_root=settings.log_dir,
-        warm=settings.warm_start,
-        tracking=tracked.describe() if tracked else None,
-        tracking_url=tracked.url if tracked else None,
-        mlflow_run_id=tracked.run_id if tracked else None,
-    )
-    consumers = _consumers(settings)
-    if tracked is not None:
-        consumers.append(tracked)
     outcome = "interrupted"
+    # The run is made inside the try: an interrupt at any moment from here on (even while
+    # the run is being created, on RunStart's thread) ends it KILLED rather than leaving it RUNNING.
     try:
+        tracked = run_start.wait() if run_start is not None else None
+        request = LaunchRequest(
+            name=name,
+            payload=payload,
+            plan=plan,
+            timeout=settings.timeout,
+            env={**(tracked.env if tracked else {}), **settings.env},
+            log_root=settings.log_dir,
+            warm=settings.warm_start,
+            tracking=tracked.describe() if tracked else None,
+            tracking_url=tracked.url if tracked else None,
+            mlflow_run_id=tracked.run_id if tracked else None,
+        )
+        consumers = _consumers(settings)
+        if tracked is not None:
+            consumers.append(tracked)
         result = LocalLauncher().run(request, EventBus(consumers))
         outcome = result.outcome
         return result
@@ -130,8 +137,8 @@ def launch(
         outcome = "failed"
         raise
     finally:
-        if tracked is not None:
-            tracked.finish(outcome)
+        if run_start is not None:
+            run_start.end(outcome)
 
 
 def _source_of(func: Callable[..., Any]) -> str | None:

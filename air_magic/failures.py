@@ -89,6 +89,11 @@ def _exception_for(
         # SystemExit or KeyboardInterrupt from a rank must not end the caller: wrap those.
         if isinstance(exc, Exception):
             note = f"[air_magic] raised on {where}; full log: {log_path}"
+            if record.stage == "write":
+                note = (
+                    f"[air_magic] {where} returned, but its result could not be written to the run folder "
+                    f"(is the temp folder full? TMPDIR moves it); full log: {log_path}"
+                )
             add_note(exc, note)
             _set(exc, "air_magic_rank", rank)
             # IPython shows this instead of air_magic's frames in the kernel.
@@ -96,10 +101,22 @@ def _exception_for(
             _set(exc, "_render_traceback_", lambda: rendered)
             exc.__cause__ = cause
             return exc
-        stage = {"load": " while loading the function and its arguments", "result": ""}.get(record.stage, "")
+        stage = {"load": " while loading the function and its arguments"}.get(record.stage, "")
+        if exc is not None:  # SystemExit, KeyboardInterrupt...: raised here, they would end this process
+            message = (
+                f"{where} raised {type(exc).__name__}({record.message}){stage}. A rank ends by returning "
+                f"or raising; {type(exc).__name__} is reported as a failure so that it cannot end this "
+                "process too."
+            )
+            if isinstance(exc, SystemExit):
+                message += " (sys.exit() in the function? Return instead.)"
+        else:
+            message = (
+                f"{where} raised {record.type_name}: {record.message}{stage}. "
+                "(The exception itself could not be sent back, so its text is shown instead.)"
+            )
         err = RankFailedError(
-            f"{where} raised {record.type_name}: {record.message}{stage}. "
-            "(The exception itself could not be sent back, so its text is shown instead.)",
+            message,
             rank=rank,
             exit_code=failure.exit_code,
             log_dir=log_path,
@@ -139,11 +156,18 @@ def exit_words(code: int | None) -> str:
             return f"killed by {signal.Signals(-code).name}"
         except ValueError:
             return f"killed by signal {-code}"
+    if code is None:
+        return "ended without a result; its exit status was lost (the warm starter died)"
     return f"exited with status {code} without a result"
 
 
 def _death_message(where: str, code: int | None, log_path: str, last_lines: list[str]) -> str:
-    if code is not None and code < 0:
+    if code is None:
+        what = (
+            f"{where} ended without returning a result, and its exit status is unknown: the warm "
+            "starter, which reports it, died during the call (see starter.log in the log folder's parent)"
+        )
+    elif code < 0:
         try:
             name = signal.Signals(-code).name
         except ValueError:

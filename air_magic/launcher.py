@@ -32,12 +32,11 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from air_magic import rank_entry, serialization, warm, wire
+from air_magic import private_files, rank_entry, serialization, warm, wire
 from air_magic.accelerators import AcceleratorPlan
 from air_magic.errors import DistributedTimeoutError, LaunchError, PayloadError
 from air_magic.events import EventBus, RankExited, RankStarted, RankState, RunFinished, RunStarted, Tick
@@ -50,6 +49,12 @@ from air_magic.rendezvous import RendezvousStore
 INTERRUPT_GRACE_S = 1.0
 TICK_S = 0.2  # how often the loop wakes without output, for displays and the deadline
 _DRAIN_S = 2.0
+REPORTED_EXIT_S = 1.0  # how long a rank that reported its error may take to exit on its own
+# A SIGKILL is only seen after the fact (the loop's pidfd wakes late under load), while an
+# exception is stamped when it is raised. A peer's collective error follows the death it was
+# caused by, and nothing a peer raises SIGKILLs a rank: a SIGKILL seen this soon after the
+# earliest exception came first.
+_SIGKILL_SEEN_LATE_S = 1.5
 _READ_SIZE = 1 << 16
 
 
@@ -97,9 +102,11 @@ class LocalLauncher:
     """Runs every rank as a fresh local process of the caller's interpreter."""
 
     def run(self, request: LaunchRequest, bus: EventBus) -> RunResult:
+        # A caller killed mid-call (SIGKILL) cannot remove its folders: the arguments in clear.
+        private_files.sweep_dead_callers()
         run_id = new_run_id()
         log_dir = make_log_dir(request.log_root, run_id)
-        run_dir = tempfile.mkdtemp(prefix=f"air_magic-{run_id}-")  # mode 0700
+        run_dir = private_files.private_tempdir(run_id)  # 0700, named after this caller for the sweep
         try:
             _write_run_files(run_dir, request.payload)
             store = RendezvousStore(request.plan.world_size)
@@ -138,17 +145,33 @@ class _Fresh:
 class _Forked:
     """A rank forked by the warm starter: not our child, so the starter reports its exit code."""
 
-    def __init__(self, pid: int, starter: warm.Starter):
+    def __init__(self, pid: int, starter: warm.Starter, run_dir: str, rank: int):
         self.pid = pid
         self.starter = starter
+        self.run_dir = run_dir
+        self.rank = rank
         self.returncode: int | None = None
+        self.status_lost = False  # the starter died before it could report this rank's exit
 
     def poll(self) -> int | None:
         if self.returncode is None:
             self.returncode = self.starter.poll(self.pid)
             if self.returncode is None and not self.starter.alive() and not _exists(self.pid):
-                self.returncode = -signal.SIGKILL  # the starter died with it; nothing else is known
+                self.returncode = self._status_from_files()
         return self.returncode
+
+    def _status_from_files(self) -> int:
+        """The starter died, so the exit status is lost; what the rank wrote still tells how it ended.
+
+        A rank writes its result (or its error) before exiting 0 (or 1): a result
+        that was written counts, whatever happened to the starter afterwards.
+        """
+        self.status_lost = True
+        if os.path.exists(wire.result_path(self.run_dir, self.rank)):
+            return 0
+        if os.path.exists(wire.error_path(self.run_dir, self.rank)):
+            return 1
+        return -signal.SIGKILL
 
     def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -161,13 +184,13 @@ class _Forked:
 
 
 def _exists(pid: int) -> bool:
+    """The process is running (a zombie has ended: only its exit status waits to be collected)."""
     try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
         return False
-    except PermissionError:
-        return True
+    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] not in (b"Z", b"X")
 
 
 class _RankProcess:
@@ -204,7 +227,10 @@ class _Run:
         self.selector = selectors.DefaultSelector()
         self.tracker = DescendantTracker()
         self.started = time.monotonic()
+        self.deadline = None if request.timeout is None else self.started + request.timeout
         self.failed_rank: int | None = None
+        self.payload_gone = False
+        self.teardown_at: float | None = None  # when the first stop of the ranks began
 
     # -- the whole call ----------------------------------------------------------------
 
@@ -229,9 +255,12 @@ class _Run:
         error: BaseException | None = None
         try:
             try:
-                self._start_ranks(lifeline_r)
+                started = self._start_ranks(lifeline_r)
             finally:
                 os.close(lifeline_r)
+            if not started:
+                outcome, error = "timeout", self._starter_timeout()
+                return RunResult(self.run_id, self.log_dir, outcome, error=error)
             outcome = self._watch()
             if outcome == "succeeded":
                 try:
@@ -267,14 +296,11 @@ class _Run:
 
     # -- starting ----------------------------------------------------------------------
 
-    def _start_ranks(self, lifeline_r: int) -> None:
+    def _start_ranks(self, lifeline_r: int) -> bool:
+        """Start every rank; False when the call's timeout ran out first (waiting for the starter)."""
         cwd = os.getcwd()
-        starter = warm.get_starter(wait_s=warm.STARTER_WAIT_S) if self.request.warm else None
-        if starter is not None:
-            # Its exit reports wake the loop as soon as they come.
-            self.selector.register(starter, selectors.EVENT_READ, ("starter", None))
-        for rank in range(self.world):
-            env = rank_environment(
+        envs = [
+            rank_environment(
                 rank=rank,
                 plan=self.request.plan,
                 port=self.port,
@@ -284,10 +310,21 @@ class _Run:
                 lifeline_fd=lifeline_r,
                 extra=self.request.env,
             )
+            for rank in range(self.world)
+        ]
+        starter = None
+        if self.request.warm:
+            starter = self._ready_starter(envs[0])
+            if starter is None and self._deadline_passed():
+                return False
+        if starter is not None:
+            # Its exit reports wake the loop as soon as they come.
+            self.selector.register(starter, selectors.EVENT_READ, ("starter", None))
+        for rank, env in enumerate(envs):
             out_r, out_w = os.pipe()
             err_r, err_w = os.pipe()
             try:
-                proc = self._spawn(starter, env, cwd, out_w, err_w, lifeline_r)
+                proc = self._spawn(starter, rank, env, cwd, out_w, err_w, lifeline_r)
             except OSError as exc:
                 for fd in (out_r, err_r):
                     os.close(fd)
@@ -304,10 +341,22 @@ class _Run:
                 self.selector.register(ranked.pidfd, selectors.EVENT_READ, (ranked, None))
             ranked.state = RankState.RUNNING
             self.bus.emit(RankStarted(rank=rank, pid=proc.pid))
+        return True
+
+    def _ready_starter(self, env: dict[str, str]) -> warm.Starter | None:
+        """The warm starter for ranks with this environment, waited for no longer than the call's timeout."""
+        wait = warm.starter_wait_s()
+        if self.deadline is not None:
+            wait = min(wait, max(0.0, self.deadline - time.monotonic()))
+        return warm.get_starter(self.request.log_root, warm.startup_environment(env), wait_s=wait)
+
+    def _deadline_passed(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
 
     def _spawn(
         self,
         starter: warm.Starter | None,
+        rank: int,
         env: dict[str, str],
         cwd: str,
         out_w: int,
@@ -316,7 +365,8 @@ class _Run:
     ) -> _Fresh | _Forked:
         if starter is not None:
             try:
-                return _Forked(starter.spawn(env, cwd, self.run_dir, [out_w, err_w, lifeline_r]), starter)
+                pid = starter.spawn(env, cwd, self.run_dir, [out_w, err_w, lifeline_r])
+                return _Forked(pid, starter, self.run_dir, rank)
             except OSError:
                 pass  # the starter broke: this rank starts cold, and the next call gets a new starter
         proc = subprocess.Popen(
@@ -335,8 +385,7 @@ class _Run:
 
     def _watch(self) -> str:
         """Wait for every rank; return 'succeeded', 'failed' or 'timeout' with ranks still alive or reaped."""
-        timeout = self.request.timeout
-        deadline = None if timeout is None else self.started + timeout
+        deadline = self.deadline
         poll_s = TICK_S if all(r.pidfd is not None for r in self.ranks) else 0.1
         next_tick = 0.0
         seen_alive = time.monotonic()  # every rank was alive when this was last taken
@@ -353,6 +402,8 @@ class _Run:
             if now >= next_tick:
                 next_tick = now + TICK_S
                 self.bus.emit(Tick(elapsed=now - self.started))
+                self._forget_payload_once_loaded()
+                self._note_reported_failures(now)
             if any(r.state is RankState.FAILED for r in self.ranks):
                 self._settle()
                 return "failed"
@@ -370,6 +421,30 @@ class _Run:
                 elif ranked == "starter":
                     self._pump_starter(key.fileobj)
                 # A readable pidfd needs nothing here: the poll at the top reaps it.
+
+    def _note_reported_failures(self, now: float) -> None:
+        """A rank that reported its exception has failed, even if its process has not ended yet.
+
+        Its interpreter may wait for non-daemon threads or multiprocessing children
+        while exiting (as any Python process does); after REPORTED_EXIT_S the others are
+        not kept waiting for that: the call fails and every rank is stopped.
+        """
+        for r in self.ranks:
+            if r.exit_code is None and r.state is RankState.RUNNING:
+                raised_at = self._error_time(r.rank)
+                if raised_at is not None and now - raised_at >= REPORTED_EXIT_S:
+                    r.state, r.exited_at = RankState.FAILED, raised_at
+
+    def _forget_payload_once_loaded(self) -> None:
+        """Delete the payload (the arguments, in clear) as soon as every rank has read it."""
+        if self.payload_gone:
+            return
+        if all(os.path.exists(wire.loaded_path(self.run_dir, r.rank)) for r in self.ranks):
+            self.payload_gone = True
+            try:
+                os.unlink(os.path.join(self.run_dir, wire.PAYLOAD_FILE))
+            except OSError:
+                pass
 
     def _dead(self, r: _RankProcess) -> bool:
         """The rank's process is gone (its pidfd is readable), whether or not its exit code is known."""
@@ -422,11 +497,8 @@ class _Run:
             self.selector.unregister(r.pidfd)
         ok = r.exit_code == 0 and os.path.exists(wire.result_path(self.run_dir, r.rank))
         r.state = RankState.SUCCEEDED if ok else RankState.FAILED
-        self.bus.emit(
-            RankExited(
-                rank=r.rank, state=r.state, exit_code=r.exit_code, reason=_exit_reason(r.exit_code, ok)
-            )
-        )
+        reason = _exit_reason(None if _status_lost(r) and not ok else r.exit_code, ok)
+        self.bus.emit(RankExited(rank=r.rank, state=r.state, exit_code=r.exit_code, reason=reason))
 
     # -- stopping ----------------------------------------------------------------------
 
@@ -434,6 +506,8 @@ class _Run:
         procs = [r.proc for r in self.ranks]
         if not procs:
             return
+        if self.teardown_at is None:
+            self.teardown_at = time.monotonic()
         try:
             stop_trees(procs, grace_s, self.tracker.seen.values())
         except KeyboardInterrupt:  # a second interrupt: no more grace
@@ -442,13 +516,25 @@ class _Run:
         finally:
             for r in self.ranks:
                 if r.exit_code is None:
-                    r.exit_code = r.proc.returncode
-                    r.state = RankState.KILLED
-                    self.bus.emit(
-                        RankExited(
-                            rank=r.rank, state=r.state, exit_code=r.exit_code, reason="stopped by air_magic"
-                        )
-                    )
+                    self._stopped(r)
+
+    def _stopped(self, r: _RankProcess) -> None:
+        """Record a rank that was still unreaped at teardown: stopped by us, unless it ended on its own."""
+        r.exit_code = r.proc.returncode
+        returned = os.path.exists(wire.result_path(self.run_dir, r.rank))
+        raised_at = self._error_time(r.rank)
+        if raised_at is not None and (self.teardown_at is None or raised_at < self.teardown_at):
+            # It failed by itself, just before the others were stopped (its exit code came late).
+            r.state, reason = RankState.FAILED, "raised an exception"
+        elif raised_at is not None:
+            r.state, reason = RankState.KILLED, "stopped by air_magic (it raised while stopping)"
+        elif returned and r.exit_code == 0:  # it returned and finished exiting meanwhile
+            r.state, reason = RankState.SUCCEEDED, "returned"
+        elif returned:
+            r.state, reason = RankState.KILLED, "stopped by air_magic after it returned, while it was exiting"
+        else:
+            r.state, reason = RankState.KILLED, "stopped by air_magic"
+        self.bus.emit(RankExited(rank=r.rank, state=r.state, exit_code=r.exit_code, reason=reason))
 
     def _drain(self) -> None:
         """Read what is left in the pipes after the ranks are gone, for at most _DRAIN_S."""
@@ -486,18 +572,32 @@ class _Run:
     def _error(self, outcome: str) -> BaseException:
         if outcome == "timeout":
             running = [r for r in self.ranks if r.exit_code is None]
+            returned = {r.rank for r in running if os.path.exists(wire.result_path(self.run_dir, r.rank))}
             self._stop(self.request.grace_s)
             self._drain()
             lines = []
             for r in running:
                 tail = self.router.tails[r.rank].last(5)
                 shown = "\n".join(f"      {line}" for line in tail) if tail else "      (nothing printed)"
-                lines.append(f"  rank {r.rank} was still running; its last lines:\n{shown}")
+                if r.rank in returned:
+                    what = (
+                        "had returned but was still exiting (Python waits for non-daemon threads "
+                        "and atexit hooks before a process ends)"
+                    )
+                else:
+                    what = "was still running"
+                lines.append(f"  rank {r.rank} {what}; its last lines:\n{shown}")
             return DistributedTimeoutError(
                 f"timed out after {self.request.timeout:g} s (timeout={self.request.timeout:g}); "
                 "every rank was stopped.\n" + "\n".join(lines) + f"\n  Logs: {self.log_dir}",
                 still_running=[r.rank for r in running],
                 log_dir=self.log_dir,
+            )
+        if warm.process_exiting():
+            self._stop(0)
+            return LaunchError(
+                "the call was stopped: the Python process that made it is exiting "
+                "(a call in a daemon thread does not keep a process alive)"
             )
         first_failure_at = min(
             r.exited_at for r in self.ranks if r.state is RankState.FAILED and r.exited_at is not None
@@ -514,6 +614,30 @@ class _Run:
         self.failed_rank = min(failures, key=lambda f: (f.time, f.rank)).rank
         return error
 
+    def _error_time(self, rank: int) -> float | None:
+        """When the rank reported its own failure (the machine's monotonic clock), if it did."""
+        data = wire.read_bytes(wire.error_path(self.run_dir, rank))
+        if data is None:
+            return None
+        try:
+            return float(serialization.loads(data).time)
+        except Exception:  # noqa: BLE001 - a torn record still says it failed; when is unknown
+            return float("-inf")
+
+    def _starter_timeout(self) -> BaseException:
+        """The call's timeout ran out while the warm starter was still importing: no rank ever ran."""
+        starter = warm.starting()
+        who = f"the warm starter (pid {starter.proc.pid})" if starter is not None else "the warm starter"
+        log = f" Its log: {starter.log_path}." if starter is not None and starter.log_path else ""
+        return DistributedTimeoutError(
+            f"timed out after {self.request.timeout:g} s (timeout={self.request.timeout:g}) before any "
+            f"rank started: {who} was still importing {', '.join(warm.preload_list()) or 'its modules'}."
+            f"{log} No rank ran. A longer timeout lets it finish (later calls then start in "
+            "milliseconds); warm_start=False starts fresh ranks instead.",
+            still_running=[],
+            log_dir=self.log_dir,
+        )
+
     def _failures(self, teardown_at: float) -> list[RankFailure]:
         """Every rank that failed on its own: it reported an error, or died before teardown began."""
         failures = []
@@ -523,8 +647,23 @@ class _Run:
                 record = serialization.loads(data)
                 failures.append(RankFailure(r.rank, record.time, r.exit_code, record))
             elif r.state is RankState.FAILED and r.exited_at is not None and r.exited_at <= teardown_at:
-                failures.append(RankFailure(r.rank, r.exited_at, r.exit_code, None))
+                code = None if _status_lost(r) else r.exit_code  # None: "unknown, the starter died"
+                failures.append(RankFailure(r.rank, r.exited_at, code, None))
+        reported = [f.time for f in failures if f.record is not None]
+        if reported:
+            first = min(reported)
+            for f in failures:
+                if (
+                    f.record is None
+                    and f.exit_code == -signal.SIGKILL
+                    and f.time <= first + _SIGKILL_SEEN_LATE_S
+                ):
+                    f.time = min(f.time, first - 1e-6)
         return failures
+
+
+def _status_lost(r: _RankProcess) -> bool:
+    return isinstance(r.proc, _Forked) and r.proc.status_lost
 
 
 def _exit_reason(code: int | None, ok: bool) -> str:

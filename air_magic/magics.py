@@ -6,11 +6,16 @@ package). The cell magic turns the cell into a call of
 
 1. IPython's own transforms make the cell Python; line magics and shell
    escapes cannot run in a rank, so they are refused before launch, by line;
-2. :mod:`air_magic.cell_analysis` finds the names the cell reads; those the
-   notebook defines are sent (modules are re-imported by name in the rank);
-   one that cannot be pickled fails before launch, named;
-3. after success, the names the cell assigned come back from rank 0, and the
-   cell's output is the list of every rank's value of its last expression.
+2. the cell is compiled as the rank will compile it
+   (:func:`air_magic.cell_runner.compile_cell`): a top-level ``return``,
+   ``yield``, ``await`` or ``nonlocal`` is a SyntaxError here, nothing launched;
+3. :mod:`air_magic.cell_analysis` finds the names the cell reads, updates or
+   deletes; those the notebook defines are sent (modules are re-imported by
+   name in the rank); one that cannot be pickled fails before launch, named;
+4. after success, rank 0's versions come back: the names the cell assigned,
+   the sent values it changed in place, the names its ``from m import *``
+   bound; names it deleted are deleted here. The cell's output is the list of
+   every rank's value of its last expression.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from air_magic import cell_runner, history, serialization
 from air_magic.accelerators import describe, detect_gpus
-from air_magic.cell_analysis import names_assigned, names_read
+from air_magic.cell_analysis import names_assigned, names_deleted, names_read, star_imports
 from air_magic.decorator import launch
 from air_magic.errors import ConfigurationError, PayloadError
 from air_magic.output import default_log_root
@@ -50,9 +55,17 @@ class DistributedMagics(Magics):
     @argument("--no-pull", action="store_true", help="bring nothing back")
     @cell_magic
     def distributed(self, line: str, cell: str) -> Any:
-        """Run this cell on every GPU (or CPU rank); bring rank 0's new names back.
+        """Run this cell on every GPU (or CPU rank); bring rank 0's new and changed names back.
 
         The cell's output is the list of every rank's value of its last expression.
+        After success, from rank 0: the names the cell assigns (``x = ...``,
+        ``x += 1``, ``def``, ``import``), those its ``from m import *`` binds, and
+        every sent value whose data the cell changed in place (``history.append(2)``).
+        Changed means its pickle differs from the one it arrived with (functions
+        and classes count as themselves, not their code): a value the cell only
+        reads stays the notebook's own object. A name the cell deletes at its top
+        level (``del x``) is deleted in the notebook. ``--pull`` brings back
+        exactly the names given, ``--no-pull`` nothing.
         """
         args = parse_argstring(self.distributed, line)
         settings = _settings(args)
@@ -64,22 +77,34 @@ class DistributedMagics(Magics):
         _refuse_magics(cell, source)
         filename = _register_source(shell, source, number)
         tree = ast.parse(source, filename)  # a SyntaxError is shown as usual, before launch
+        error = _compile_as_the_rank_will(source, filename)
+        if error is not None:
+            raise error  # from here: IPython lists every frame a SyntaxError in a magic went through
 
         pushed = [n.strip() for n in args.push.split(",") if n.strip()]
         values, modules, skipped = _capture(shell, names_read(tree) + pushed, pushed)
         if skipped:
             print(f"air_magic: not sent (IPython's own): {', '.join(skipped)}")
+        watch: list[str] = []
+        stars: list[str] = []
         if args.no_pull:
             pull: list[str] = []
         elif args.pull is not None:
             pull = [n.strip() for n in args.pull.split(",") if n.strip()]
         else:
             pull = [n for n in names_assigned(tree) if not n.startswith("_")]
+            watch = [n for n in values if n not in pull and not n.startswith("_")]
+            stars = star_imports(tree)
 
-        bound = inspect.signature(cell_runner.run_cell).bind(source, filename, values, modules, pull)
+        bound = inspect.signature(cell_runner.run_cell).bind(
+            source, filename, values, modules, pull, watch=watch, star_modules=stars
+        )
         name = f"cell [{number}]"
         outcomes = launch(name, cell_runner.run_cell, bound, settings, kind="cell", source=cell).unwrap()
-        return _bring_back(shell, outcomes, _ends_with_expression(tree), imported=set(_imported(tree)))
+        deleted = set(names_deleted(tree))
+        return _bring_back(
+            shell, outcomes, _ends_with_expression(tree), imported=set(_imported(tree)), deleted=deleted
+        )
 
     @line_magic("distributed")  # type: ignore[arg-type]
     def distributed_line(self, line: str) -> Any:
@@ -161,6 +186,20 @@ def _refuse_magics(cell: str, source: str) -> None:
     )
 
 
+def _compile_as_the_rank_will(source: str, filename: str) -> SyntaxError | None:
+    """The error every rank would hit on what only a function may hold (``return``, ``await``...)."""
+    try:
+        cell_runner.compile_cell(source, filename)
+    except SyntaxError as exc:
+        text = exc.text
+        lines = source.splitlines()
+        if text is None and exc.lineno is not None and 0 < exc.lineno <= len(lines):
+            text = lines[exc.lineno - 1] + "\n"  # compiling a tree leaves it out; IPython shows it
+        where = (filename, exc.lineno, exc.offset, text, exc.end_lineno, exc.end_offset)
+        return SyntaxError(exc.msg, where)
+    return None
+
+
 def _register_source(shell: Any, source: str, number: int) -> str:
     """Name the cell like IPython does and put its lines in linecache, for tracebacks."""
     try:
@@ -215,12 +254,16 @@ def _imported(tree: ast.Module) -> list[str]:
 
 
 def _bring_back(
-    shell: Any, outcomes: list[cell_runner.CellOutcome], ends_with_expression: bool, imported: set[str]
+    shell: Any,
+    outcomes: list[cell_runner.CellOutcome],
+    ends_with_expression: bool,
+    imported: set[str],
+    deleted: set[str],
 ) -> Any:
     """Put rank 0's names into the notebook; return every rank's last value (None if all are None).
 
-    Imported names come back too (by reference) but are not listed: the line
-    names the data the cell made.
+    Imported names (star imports included) come back too (by reference) but
+    are not listed: the line names the data the cell made or changed.
     """
     first = outcomes[0]
     loaded: dict[str, Any] = {}
@@ -231,9 +274,15 @@ def _bring_back(
         except Exception as exc:  # noqa: BLE001
             failed[name] = f"could not be loaded here: {exc}"
     shell.user_ns.update(loaded)
-    shown = [k for k, v in loaded.items() if k not in imported and not isinstance(v, types.ModuleType)]
-    if shown:
-        print(f"air_magic: brought back from rank 0: {', '.join(shown)}")
+    gone = _delete_what_the_cell_deleted(shell, first.missing, deleted)
+    hidden = imported | set(first.star_names)
+    shown = [k for k, v in loaded.items() if k not in hidden and not isinstance(v, types.ModuleType)]
+    said = [f"{k} (changed in place)" if k in first.changed else k for k in shown]
+    parts = [f"brought back from rank 0: {', '.join(said)}"] if said else []
+    if gone:
+        parts.append(f"deleted: {', '.join(gone)}")
+    if parts:
+        print(f"air_magic: {'; '.join(parts)}")
     if failed:
         print("air_magic: not brought back: " + "; ".join(f"{k} ({v})" for k, v in failed.items()))
     info = history.last_run()
@@ -250,6 +299,14 @@ def _bring_back(
         info.values = values
     # Like IPython, show nothing when there is nothing to show (a final print(), say).
     return None if all(v is None for v in values) else values
+
+
+def _delete_what_the_cell_deleted(shell: Any, missing: list[str], deleted: set[str]) -> list[str]:
+    """Names rank 0 ended without because the cell ran ``del`` on them (not a loop that never ran)."""
+    gone = [n for n in missing if n in deleted and n in shell.user_ns]
+    for name in gone:
+        del shell.user_ns[name]
+    return gone
 
 
 def _mlflow_ui() -> Any:

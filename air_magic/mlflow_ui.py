@@ -4,7 +4,9 @@ With an HTTP tracking URI the link points at that server. With a local store
 (the embedded sqlite one) there is no page to link to until
 ``%distributed mlflow-ui`` (or :func:`start_ui`) starts ``mlflow server`` on
 127.0.0.1 on a free port, in the background, under ``air_magic.guard`` so it
-stops when this process ends; from then on runs link to it.
+stops when this process ends; from then on runs link to it. The server runs
+with umask 077 and logs to a 0600 ``ui.log``: what it writes beside the
+embedded store is private like the store (docs/security.md).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import subprocess
 import sys
 import time
 import urllib.request
+
+from air_magic import private_files
 
 _servers: dict[str, str] = {}  # tracking URI -> UI base URL
 _lifelines: list[int] = []  # write ends, held open for this process's lifetime
@@ -36,10 +40,14 @@ def start_ui(uri: str, timeout_s: float = 90.0) -> str:
         return uri.rstrip("/")
     from air_magic.tracking import embedded_dir
 
-    os.makedirs(embedded_dir(), mode=0o700, exist_ok=True)
-    log_path = os.path.join(embedded_dir(), "ui.log")
+    folder = private_files.private_root(
+        embedded_dir(),
+        "the embedded MLflow store's folder",
+        "Set AIR_MAGIC_MLFLOW_DIR to a folder only you can write",
+    )
+    log_path = os.path.join(folder, "ui.log")
     port = _free_port()
-    artifacts = os.path.join(embedded_dir(), "served-artifacts")
+    artifacts = private_files.private_subfolder(os.path.join(folder, "served-artifacts"))
     command = [
         sys.executable, "-m", "mlflow", "server",
         "--backend-store-uri", uri,
@@ -52,7 +60,7 @@ def start_ui(uri: str, timeout_s: float = 90.0) -> str:
     lifeline, keep = os.pipe()
     _lifelines.append(keep)
     try:
-        with open(log_path, "ab") as log:
+        with open(log_path, "ab", opener=private_files.opener) as log:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "air_magic.guard", str(lifeline), "--", *command],
                 stdin=subprocess.DEVNULL,
@@ -60,7 +68,8 @@ def start_ui(uri: str, timeout_s: float = 90.0) -> str:
                 stderr=log,
                 pass_fds=(lifeline,),
                 start_new_session=True,
-                cwd=embedded_dir(),
+                cwd=folder,
+                umask=0o077,  # what the server writes (artifacts of its experiments) is the user's alone
             )
     finally:
         os.close(lifeline)

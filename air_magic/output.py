@@ -14,7 +14,9 @@ them and hands each chunk to :class:`OutputRouter`, which
 
 Log directories default to ``$XDG_STATE_HOME/air_magic/runs`` (usually
 ``~/.local/state/air_magic/runs``), one private folder per run; the newest
-:data:`KEEP_RUNS` are kept there.
+:data:`KEEP_RUNS` are kept there. A log root that is not this user's alone is
+refused before anything starts, and log files never follow a link
+(``private_files``, docs/security.md).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import collections
 import os
 import shutil
 
-from air_magic import wire
+from air_magic import private_files, wire
 from air_magic.errors import ConfigurationError
 from air_magic.events import EventBus, RankOutput
 
@@ -37,12 +39,17 @@ def default_log_root() -> str:
     return os.environ.get("AIR_MAGIC_LOG_DIR") or wire.state_dir("runs")
 
 
+_LOG_ROOT_FIX = "Pass log_dir= (or set AIR_MAGIC_LOG_DIR) to a folder only you can write"
+
+
 def make_log_dir(root: str | None, run_id: str) -> str:
     """Create the run's private log folder (0700); prune old runs under the default root."""
     base = root or default_log_root()
     path = os.path.join(base, run_id)
     try:
         os.makedirs(base, mode=0o700, exist_ok=True)
+        # Ours alone, or refused: another user who can write it could plant links we would follow.
+        private_files.private_root(base, "the log folder", _LOG_ROOT_FIX)
         os.mkdir(path, mode=0o700)
     except OSError as exc:
         raise ConfigurationError(
@@ -93,10 +100,7 @@ class OutputRouter:
     def __init__(self, log_dir: str, world_size: int, bus: EventBus):
         self.log_dir = log_dir
         self._bus = bus
-        self._log_fds = [
-            os.open(self.log_path(r), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-            for r in range(world_size)
-        ]
+        self._log_fds = [private_files.open_private(self.log_path(r)) for r in range(world_size)]
         self._decoders = {
             (r, s): codecs.getincrementaldecoder("utf-8")("replace")
             for r in range(world_size)

@@ -7,11 +7,20 @@ IPython, ipywidgets or torch (the user's function imports what it needs).
 
 A rank either writes ``result-<rank>.pkl`` and exits 0, or writes
 ``error-<rank>.pkl`` and exits 1. Anything else (a signal, ``os._exit``) is
-noticed by the launcher, which holds the process handle.
+noticed by the launcher, which holds the process handle. Once it has read the
+payload it leaves a ``loaded-<rank>`` mark, so the launcher can delete the
+payload (the arguments in clear) as soon as every rank has it.
+
+A rank ends the way a Python process ends, fresh or forked: ``SystemExit``
+and the interpreter's own shutdown, which joins non-daemon threads, runs
+``atexit`` hooks and flushes files the user left open. Only then does
+:func:`_end_of_rank` (an ``atexit`` hook registered before any other) kill
+what the rank left running.
 """
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import linecache
 import os
@@ -44,6 +53,9 @@ def run_from_launch_file(run_dir: str) -> NoReturn:
 
 
 def main(run_dir: str) -> NoReturn:
+    global _in_rank
+    _in_rank = True
+    install_exit_hook()  # no-op in a forked rank: the starter installed it before its preload
     # A segfault in C code still leaves a Python stack in the rank's log.
     faulthandler.enable(all_threads=True)
     _watch_lifeline()
@@ -53,17 +65,21 @@ def main(run_dir: str) -> NoReturn:
     try:
         _check_private(run_dir)
         with open(os.path.join(run_dir, wire.PAYLOAD_FILE), "rb") as f:
-            fn, args, kwargs, sources = serialization.loads(f.read())
+            payload = f.read()
+        wire.write_atomically(wire.loaded_path(run_dir, rank), b"")
+        fn, args, kwargs, sources = serialization.loads(payload)
+        del payload
         for name, lines in sources.items():  # notebook cells: tracebacks show their lines
             linecache.cache[name] = (sum(map(len, lines)), None, lines, name)
         stage = "run"
         result = fn(*args, **kwargs)
         stage = "result"
         data = _dump_result(result, rank)
+        stage = "write"
+        wire.write_atomically(wire.result_path(run_dir, rank), data)
     except BaseException as exc:  # noqa: BLE001 - every failure is reported, even SystemExit
         _report(run_dir, rank, stage, exc)
         _exit(1)
-    wire.write_atomically(wire.result_path(run_dir, rank), data)
     _exit(0)
 
 
@@ -157,15 +173,37 @@ def _watch_lifeline() -> None:
     threading.Thread(target=watch, name="air_magic-lifeline", daemon=True).start()
 
 
+_in_rank = False  # True in a rank; the starter installs the exit hook too, for its forks
+_hook_installed = False
+
+
+def install_exit_hook() -> None:
+    """Register :func:`_end_of_rank` before any other atexit hook, so that it runs after all of them."""
+    global _hook_installed
+    if not _hook_installed:
+        _hook_installed = True
+        atexit.register(_end_of_rank)
+
+
+def _end_of_rank() -> None:
+    if _in_rank:
+        _kill_descendants()
+
+
 def _exit(code: int) -> NoReturn:
-    _kill_descendants()
-    # os._exit skips interpreter shutdown (about 1 s with torch loaded); flush first.
+    """End like ``python`` does: threads joined, atexit hooks run, open files flushed and closed.
+
+    Why not ``os._exit`` (faster): it drops a checkpoint thread's work, the user's
+    atexit hooks and unflushed files. A fresh rank ends with the interpreter's own
+    shutdown; a forked rank catches this ``SystemExit`` in the starter's code and
+    ends through :func:`air_magic.rank_exit.end_forked_rank` (same steps, faster).
+    """
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except Exception:  # noqa: BLE001 - best effort while exiting
             pass
-    os._exit(code)
+    raise SystemExit(code)
 
 
 def _kill_descendants() -> None:

@@ -62,10 +62,15 @@ def rank_environment(
     )
     if "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world))
-    if plan.cpu_mode:
-        # Keep gloo's pair sockets on loopback: one machine needs no other interface.
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    else:
+    # Sockets of the collectives on loopback: one machine needs no other interface, and a rank
+    # listening on eth0 is reachable from the network. gloo serves CPU tensors on GPU runs too
+    # (init_process_group() with no backend makes both). The user's own setting wins.
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if not plan.cpu_mode:
+        # NCCL's bootstrap sockets (and its socket transport, which a single node does not use:
+        # NVLink, P2P and shared memory carry the data). '=lo' is an exact match; a bare 'lo' is a
+        # prefix. InfiniBand is left alone (NCCL_IB_HCA chooses it, not this variable).
+        env.setdefault("NCCL_SOCKET_IFNAME", "=lo")
         # Indices in NVML's (PCI bus) order, with CUDA told to count the same way: tools
         # parse this variable as integers (DeepSpeed's accelerator does), so UUIDs broke
         # them. MIG instances have no index of their own and keep their UUIDs.

@@ -1,4 +1,4 @@
-"""Inside a rank: keep the call's shared MLflow run open whatever the rank's code does.
+"""Inside a rank: keep the call's shared MLflow run open and named whatever the rank's code does.
 
 Every rank gets ``MLFLOW_RUN_ID``, so a plain ``mlflow.log_metric`` (or
 ``with mlflow.start_run():``) in any rank lands in the call's one run. But
@@ -7,18 +7,36 @@ MLflow's fluent API ends the active run on ``end_run()`` and at the end of a
 still train. When (and only when) the rank imports ``mlflow``, a post-import
 hook patches ``MlflowClient.set_terminated`` to skip the shared run and keep
 ``MLFLOW_RUN_ID`` set; the launcher ends the run, truthfully, when the call is
-over. The same hook hands ``mlflow.tracking.fluent`` to ``rank_metrics``, which
+over.
+
+The same hook wraps ``mlflow.start_run``. With ``MLFLOW_RUN_ID`` set, MLflow
+resumes that run whatever the arguments: ``start_run(run_name=f"rank-{RANK}")``
+in every rank would rename the shared run (the last rank wins), and
+``set_experiment("x")`` then ``start_run()`` fails with an error about
+command-line flags. Code written for ``torchrun`` does both. So a ``start_run``
+that asks for a run of its own (a ``run_name``, another experiment or tracking
+URI, a ``parent_run_id``, or ``nested=True`` under a run) gets one, as it would
+under ``torchrun``, made a child of the shared run (``mlflow.parentRunId``,
+when it is in the same store); a plain ``start_run()`` still resumes the shared
+run; ``start_run(run_id=<the shared run>, run_name=...)`` resumes it without
+renaming it, with a warning. The launcher ends child runs a killed rank left
+RUNNING.
+
+The hook also hands ``mlflow.tracking.fluent`` to ``rank_metrics``, which
 makes per-step metric logging cheap. Importing mlflow costs seconds, so
 nothing here imports it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.abc
 import importlib.machinery
 import os
 import sys
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
@@ -73,15 +91,102 @@ def _keep_shared_run_open(module: ModuleType) -> None:
     shared = os.environ[ENV_SHARED]
 
     def set_terminated(self: Any, run_id: str, status: Any = None, end_time: Any = None) -> None:
-        if run_id == shared:
-            os.environ["MLFLOW_RUN_ID"] = shared  # end_run() unset it; later logging must still land here
-            return
-        original(self, run_id, status, end_time)
+        try:
+            if run_id != shared:
+                original(self, run_id, status, end_time)
+        finally:
+            # end_run() unsets it whichever run it ends (a rank's child run too): later
+            # logging outside a run of the rank's own must still land in the shared run.
+            os.environ["MLFLOW_RUN_ID"] = shared
 
     client_class.set_terminated = set_terminated
 
 
+def _patch_fluent(fluent: ModuleType) -> None:
+    _start_own_runs_as_children(fluent)
+    rank_metrics.patch_fluent(fluent)
+
+
+def _start_own_runs_as_children(fluent: ModuleType) -> None:
+    """Wrap ``start_run``: the shared run when the rank asks for it, else a run of its own under it."""
+    from mlflow.tracking import get_tracking_uri
+
+    original = fluent.start_run
+    shared = os.environ[ENV_SHARED]
+    shared_uri = os.environ.get("MLFLOW_TRACKING_URI")
+    shared_experiment = os.environ.get("MLFLOW_EXPERIMENT_ID")
+
+    @functools.wraps(original)
+    def start_run(
+        run_id: str | None = None,
+        experiment_id: str | None = None,
+        run_name: str | None = None,
+        nested: bool = False,
+        parent_run_id: str | None = None,
+        tags: dict[str, Any] | None = None,
+        description: str | None = None,
+        log_system_metrics: bool | None = None,
+        **more: Any,
+    ) -> Any:
+        given = dict(
+            _given(run_id=run_id, experiment_id=experiment_id, run_name=run_name),
+            **_given(parent_run_id=parent_run_id, tags=tags, description=description),
+            **_given(log_system_metrics=log_system_metrics),
+            nested=nested,
+            **more,
+        )
+        if run_id is not None:
+            if run_id == shared and run_name is not None:
+                given.pop("run_name")
+                _warn_not_renamed(run_name)
+            return original(**given)
+        active = fluent.active_run()
+        same_store = not shared_uri or get_tracking_uri() == shared_uri
+        experiment = experiment_id if experiment_id is not None else fluent._active_experiment_id
+        other_experiment = experiment is not None and str(experiment) != shared_experiment
+        own = run_name is not None or parent_run_id is not None or not same_store or other_experiment
+        if active is None and not own:
+            return original(**given)  # resumes the shared run (MLFLOW_RUN_ID)
+        if own and active is not None and active.info.run_id == shared:
+            given["nested"] = True  # the shared run is air_magic's, not the rank's: nest under it
+        elif own and active is None and same_store and parent_run_id is None:
+            given["tags"] = {**(tags or {}), "mlflow.parentRunId": shared}
+        with _hidden("MLFLOW_RUN_ID"):  # else MLflow would resume the shared run, whatever was asked
+            return original(**given)
+
+    setattr(fluent, "start_run", start_run)  # noqa: B010 - a module attribute mypy cannot see
+    package = sys.modules.get("mlflow")
+    if package is not None and getattr(package, "start_run", None) is original:
+        setattr(package, "start_run", start_run)  # noqa: B010 - mlflow was preloaded (a warm starter)
+
+
+def _warn_not_renamed(run_name: str) -> None:
+    warnings.warn(
+        f"air_magic: run_name={run_name!r} was not applied: the call's MLflow run is shared by every "
+        "rank and keeps its name. Name the call with run_name= in @distributed (--run-name), or "
+        "leave run_id out to start a child run with this name.",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
+@contextlib.contextmanager
+def _hidden(name: str) -> Iterator[None]:
+    """The environment variable ``name`` unset for the block, then as it was."""
+    value = os.environ.pop(name, None)
+    try:
+        yield
+    finally:
+        if value is not None:
+            os.environ[name] = value
+
+
+def _given(**arguments: Any) -> dict[str, Any]:
+    """The arguments the user passed: MLflow 2.x's ``start_run`` takes fewer keywords than 3.x's."""
+    return {name: value for name, value in arguments.items() if value is not None}
+
+
 _PATCHES: dict[str, Callable[[ModuleType], None]] = {
     "mlflow.tracking.client": _keep_shared_run_open,
-    "mlflow.tracking.fluent": rank_metrics.patch_fluent,
+    "mlflow.tracking.fluent": _patch_fluent,
 }

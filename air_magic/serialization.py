@@ -2,7 +2,9 @@
 
 Shared by both sides (the worker imports it), so it depends only on the
 standard library and cloudpickle. Functions and classes defined in a notebook
-(``__main__``) travel by value, as cloudpickle does by default.
+(``__main__``) travel by value, as cloudpickle does by default; those of an
+importable module by reference, unless :func:`modules_by_value` says otherwise
+for the length of one pickling (a module edited on disk since it was loaded).
 
 When something cannot be pickled, :func:`find_unpicklable` walks into it
 (arguments, closure cells, referenced globals, attributes, items) and names
@@ -12,9 +14,12 @@ the deepest part that fails, e.g. ``argument 'model' -> .lock``.
 from __future__ import annotations
 
 import collections
+import contextlib
+import hashlib
 import io
 import pickle
 import sys
+import threading
 import types
 from collections.abc import Iterator
 from typing import Any, ClassVar
@@ -52,6 +57,41 @@ def dumps(obj: Any) -> bytes:
 
 def loads(data: bytes) -> Any:
     return pickle.loads(data)
+
+
+# cloudpickle's by-value registry is one set for the whole process: count who asked, so
+# that two threads pickling at once do not unregister a module under each other's feet.
+_by_value_lock = threading.Lock()
+_by_value_holds: collections.Counter[str] = collections.Counter()
+
+
+@contextlib.contextmanager
+def modules_by_value(modules: list[types.ModuleType]) -> Iterator[None]:
+    """Inside the block, pickle these modules' functions and classes by value, not by name.
+
+    A module the user registered with cloudpickle themselves stays registered.
+    """
+    held: list[types.ModuleType] = []
+    with _by_value_lock:
+        for module in modules:
+            name = module.__name__
+            if _by_value_holds[name] == 0 and name in cloudpickle.list_registry_pickle_by_value():
+                continue  # the user's own registration: not ours to undo
+            if _by_value_holds[name] == 0:
+                cloudpickle.register_pickle_by_value(module)
+            _by_value_holds[name] += 1
+            held.append(module)
+    try:
+        yield
+    finally:
+        with _by_value_lock:
+            for module in held:
+                name = module.__name__
+                _by_value_holds[name] -= 1
+                if _by_value_holds[name] == 0:
+                    del _by_value_holds[name]
+                    with contextlib.suppress(ValueError):  # unregistered meanwhile by someone else
+                        cloudpickle.unregister_pickle_by_value(module)
 
 
 def find_unpicklable(obj: Any, path: str, depth: int = 0) -> tuple[str, BaseException] | None:
@@ -135,3 +175,42 @@ def dumps_result(obj: Any) -> bytes:
     buffer = io.BytesIO()
     _CPUPickler(buffer, protocol=PROTOCOL).dump(obj)
     return buffer.getvalue()
+
+
+# --- fingerprints: did a value sent to a cell change there? --------------------------
+
+
+class _FingerprintPickler(_CPUPickler):
+    """Pickles data as usual, but each function and class as its identity.
+
+    A notebook function sent by value carries the globals it reads: pickled as
+    code, it would look changed whenever the cell rebinds one of them, though
+    the function itself did not change. Only the data is compared.
+    """
+
+    def reducer_override(self, obj: Any) -> Any:
+        if obj is not _code_identity and isinstance(obj, (type, types.FunctionType)):
+            return _code_identity, (id(obj),)
+        return super().reducer_override(obj)
+
+
+def _code_identity(key: int) -> int:
+    return key
+
+
+class _DigestSink:
+    """A file-like target that hashes what is written: a large value is never held twice."""
+
+    def __init__(self) -> None:
+        self.hash = hashlib.blake2b(digest_size=16)
+
+    def write(self, data: bytes) -> int:
+        self.hash.update(data)
+        return len(data)
+
+
+def fingerprint(obj: Any) -> bytes:
+    """A digest of ``obj``'s data, equal before and after exactly when its pickle is."""
+    sink = _DigestSink()
+    _FingerprintPickler(sink, protocol=PROTOCOL).dump(obj)
+    return sink.hash.digest()

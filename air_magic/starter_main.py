@@ -13,12 +13,21 @@ talks to its caller over one AF_UNIX SOCK_SEQPACKET socket:
 
 When the caller goes away (EOF), the starter kills what it started and exits.
 A forked rank becomes a session leader, takes its pipes as stdout/stderr and
-the caller's environment and working folder, reseeds ``random``, and runs
-:func:`air_magic.rank_entry.run_from_launch_file`.
+the caller's environment, working folder and umask, is given what a fresh
+interpreter would have of its own (see :func:`_fresh_state`: random seeds, the
+SIGINT handler, import caches), and runs
+:func:`air_magic.rank_entry.run_from_launch_file`. It ends the way a Python
+process ends (threads joined, ``atexit`` run, files flushed): see rank_exit.py.
+
+The starter's own environment holds the start-up variables of the calls it
+serves (``PYTHONHASHSEED``, ``PYTHONWARNINGS``, ``LD_PRELOAD``...; see
+``warm.startup_environment``): they act when a process starts, so a fork can
+only inherit them, and the caller rebuilds the starter when a call needs others.
 """
 
 from __future__ import annotations
 
+import gc
 import importlib
 import io
 import json
@@ -35,6 +44,12 @@ _MAX_MESSAGE = 1 << 20
 
 def main(control_fd: int, preload: list[str]) -> None:
     sock = socket.socket(fileno=control_fd)
+    # Before the preload: a rank's own exit hook must run after every atexit hook that
+    # torch (or the rank's code) registers, as it does in a fresh rank (atexit is LIFO).
+    from air_magic import rank_exit  # noqa: F401 - preloaded: a rank's exit must not clear it
+    from air_magic.rank_entry import install_exit_hook
+
+    install_exit_hook()
     loaded, failed = [], {}
     for name in preload:
         try:
@@ -46,6 +61,12 @@ def main(control_fd: int, preload: list[str]) -> None:
     if torch is not None and torch.cuda.is_initialized():  # pragma: no cover - a preload touched CUDA
         _send(sock, {"error": "a preloaded module initialised CUDA; forked ranks would inherit it"})
         return
+    # What the preload made is never collected in a rank (it lives as long as the process):
+    # frozen, the garbage collector skips it, so forks keep sharing its pages (no copy on
+    # write) and a rank's interpreter shutdown skips walking it (about 0.3 s with torch).
+    gc.freeze()
+    preloaded = frozenset(sys.modules)  # a rank's exit leaves these alone (rank_exit.py)
+    _keep_preload_finalizers_from_exit()
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
@@ -75,13 +96,22 @@ def main(control_fd: int, preload: list[str]) -> None:
                 return
             request = json.loads(data)
             pid = os.fork()
-            if pid == 0:
-                _become_rank(request, fds, sock, wake_r, wake_w)
+            if pid == 0:  # never returns: the rank ends in rank_exit.end_forked_rank
+                _become_rank(request, fds, sock, wake_r, wake_w, preloaded)
             for fd in fds:
                 os.close(fd)
             children.add(pid)
             _send(sock, {"spawned": pid})
         _reap(sock, children)
+
+
+def _keep_preload_finalizers_from_exit() -> None:
+    """The preload's ``weakref.finalize`` hooks (torch unregisters its operator libraries) do not
+    run when a rank exits: like the preload's objects, they are the starter's, not the rank's."""
+    import weakref
+
+    for finalizer in list(getattr(weakref.finalize, "_registry", {})):
+        finalizer.atexit = False
 
 
 def _reap(sock: socket.socket, children: set[int]) -> None:
@@ -104,62 +134,103 @@ def _send(sock: socket.socket, message: dict[str, Any]) -> None:
 
 
 def _become_rank(
-    request: dict[str, Any], fds: list[int], sock: socket.socket, wake_r: int, wake_w: int
+    request: dict[str, Any],
+    fds: list[int],
+    sock: socket.socket,
+    wake_r: int,
+    wake_w: int,
+    preloaded: frozenset[str],
 ) -> NoReturn:
     try:
-        os.setsid()  # its own session and process group, like a fresh rank
-        signal.set_wakeup_fd(-1)
-        for sig in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_DFL)
-        sock.close()
-        os.close(wake_r)
-        os.close(wake_w)
-        out_w, err_w, lifeline_r = fds
-        devnull = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(devnull, 0)
-        os.dup2(out_w, 1)
-        os.dup2(err_w, 2)
-        for fd in (devnull, out_w, err_w):
-            os.close(fd)
-        # Unbuffered text streams on the new fds, as `python -u` would give.
-        sys.stdout = io.TextIOWrapper(
-            io.FileIO(1, "w", closefd=False), write_through=True, line_buffering=True
-        )
-        sys.stderr = io.TextIOWrapper(
-            io.FileIO(2, "w", closefd=False),
-            write_through=True,
-            line_buffering=True,
-            errors="backslashreplace",
-        )
-        env = dict(request["env"])
-        env["AIR_MAGIC_LIFELINE_FD"] = str(lifeline_r)
-        os.environ.clear()
-        os.environ.update(env)
-        os.chdir(request["cwd"])
-        _fresh_state(env)
-        from air_magic.rank_entry import run_from_launch_file
-
-        run_from_launch_file(request["run_dir"])
+        _take_over_process(request, fds, sock, wake_r, wake_w)
     except BaseException:  # noqa: BLE001 - a rank that cannot start says why on its stderr
         try:
             traceback.print_exc()
             sys.stderr.flush()
         finally:
             os._exit(1)
-    os._exit(1)  # pragma: no cover - run_from_launch_file never returns
+    from air_magic.rank_entry import run_from_launch_file
+    from air_magic.rank_exit import end_forked_rank
+
+    try:
+        run_from_launch_file(request["run_dir"])
+    except SystemExit as exc:  # how every rank ends; the frames of the call are gone after this
+        code = exc.code
+    except BaseException:  # noqa: BLE001 - as an uncaught exception ends a fresh interpreter
+        traceback.print_exc()
+        code = 1
+    end_forked_rank(code, preloaded)
+
+
+def _take_over_process(
+    request: dict[str, Any], fds: list[int], sock: socket.socket, wake_r: int, wake_w: int
+) -> None:
+    """Turn this fork of the starter into the process a fresh rank would be."""
+    os.setsid()  # its own session and process group, like a fresh rank
+    signal.set_wakeup_fd(-1)
+    for sig in (signal.SIGCHLD, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+    # A fresh interpreter raises KeyboardInterrupt on SIGINT, unless it was started with
+    # SIGINT ignored (exec keeps an ignored signal ignored): the caller says which.
+    ignored = request.get("sigint_ignored", False)
+    signal.signal(signal.SIGINT, signal.SIG_IGN if ignored else signal.default_int_handler)
+    sock.close()
+    os.close(wake_r)
+    os.close(wake_w)
+    out_w, err_w, lifeline_r = fds
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.dup2(out_w, 1)
+    os.dup2(err_w, 2)
+    for fd in (devnull, out_w, err_w):
+        os.close(fd)
+    # Unbuffered text streams on the new fds, as `python -u` would give, with the starter's
+    # own (a fresh interpreter's) encodings; the __std*__ originals too, so that nothing
+    # written through them waits in a buffer.
+    sys.stdout = sys.__stdout__ = _unbuffered_like(sys.stdout, 1)  # type: ignore[misc]
+    sys.stderr = sys.__stderr__ = _unbuffered_like(sys.stderr, 2)  # type: ignore[misc]
+    env = dict(request["env"])
+    env["AIR_MAGIC_LIFELINE_FD"] = str(lifeline_r)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(request["cwd"])
+    if "umask" in request:
+        os.umask(request["umask"])
+    _fresh_state(env)
+
+
+def _unbuffered_like(stream: Any, fd: int) -> io.TextIOWrapper:
+    return io.TextIOWrapper(
+        io.FileIO(fd, "w", closefd=False),
+        encoding=stream.encoding,
+        errors=stream.errors,
+        write_through=True,
+        line_buffering=True,
+    )
 
 
 def _fresh_state(env: dict[str, str]) -> None:
-    """What a fresh interpreter would have differently from a fork of the starter."""
+    """What a fresh interpreter would have differently from a fork of the starter.
+
+    Every random source a fresh process seeds from the OS is reseeded here, so no
+    two ranks, in one call or across calls, share a sequence. CUDA's generators
+    are not touched: the starter never initialised CUDA, so a rank creates them
+    (with CUDA's fixed default seed) exactly as a fresh process does.
+    """
+    import importlib
     import random
 
     random.seed()  # a fresh process seeds from the OS; a fork would repeat the starter's sequence
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        numpy.random.seed()
+    numpy_random = sys.modules.get("numpy.random")  # only if loaded: a fresh process has not either
+    if numpy_random is not None:
+        numpy_random.seed()
     torch = sys.modules.get("torch")
-    if torch is not None and env.get("OMP_NUM_THREADS", "").isdigit():
-        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))  # read at import, before the fork
+    if torch is not None:
+        torch.default_generator.seed()  # the CPU generator: a fresh `import torch` seeds it from the OS
+        if env.get("OMP_NUM_THREADS", "").isdigit():
+            torch.set_num_threads(int(env["OMP_NUM_THREADS"]))  # read at import, before the fork
+    # The starter's import caches may predate files created since (a module the caller just wrote).
+    importlib.invalidate_caches()
 
 
 if __name__ == "__main__":

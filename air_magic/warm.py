@@ -11,6 +11,19 @@ The starter is rebuilt when it would be stale: another interpreter, another
 it on request; ``AIR_MAGIC_WARM=0`` (or ``warm_start=False``) turns it off.
 
 Preloaded modules: ``AIR_MAGIC_PRELOAD`` (comma-separated), default ``torch``.
+
+**Start-up variables.** Some variables act only when a process starts
+(``PYTHONHASHSEED``, ``PYTHONWARNINGS``, ``PYTHONMALLOC``, ``LD_PRELOAD``,
+``MALLOC_*``, the locale, torch's and OpenMP's import-time settings; see
+:func:`is_startup_variable`). A fork can only inherit them, so the starter is
+started with the start-up variables of the call it serves, and a call whose
+ranks would start with others (``env=``, or the caller's environment changed)
+rebuilds it first, saying so in one line.
+
+**A starter that does not come up.** A call waits for the starter at most
+until the call's own timeout, and a starter gets ``AIR_MAGIC_STARTER_WAIT``
+seconds (default 60) in all to become ready; past that it is dropped and
+calls start fresh ranks (said once) until ``restart()``.
 """
 
 from __future__ import annotations
@@ -20,12 +33,17 @@ import importlib.util
 import json
 import os
 import select
+import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
+
+from air_magic import private_files  # starter.log: 0600, never through a planted link
+from air_magic.errors import ConfigurationError
 
 _BOOTSTRAP = (
     "import json,sys;sys.path[:]=json.loads(sys.argv[3]);"
@@ -45,6 +63,38 @@ def preload_list() -> list[str]:
     return [n for n in names if n and importlib.util.find_spec(n.split(".")[0]) is not None]
 
 
+# Variables read when an interpreter (or torch, OpenMP, the C library) starts: a fork
+# cannot change them. Prefixes, then whole names; then exceptions that are read later
+# (each time they are used, or by the rank itself) or that air_magic sets per rank.
+_STARTUP_PREFIXES = (
+    *("PYTHON", "LD_", "MALLOC_", "GLIBC_", "TORCH_", "PYTORCH_"),
+    *("OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "LC_"),
+)
+_STARTUP_NAMES = frozenset({"LANG", "LANGUAGE", "TZ"})
+_LATER_PREFIXES = ("TORCH_NCCL_", "TORCH_DISTRIBUTED_", "TORCHELASTIC_")
+_LATER_NAMES = frozenset(
+    {
+        "PYTHONUNBUFFERED",  # given to every rank; the fork gets unbuffered streams (starter_main)
+        "PYTHONPATH",  # ranks take the caller's sys.path from launch.json, fresh or forked
+        "PYTHONBREAKPOINT",  # read at each breakpoint()
+        "PYTHONSTARTUP",  # interactive sessions only
+        "PYTHONINSPECT",
+        "OMP_NUM_THREADS",  # applied in each fork (torch.set_num_threads)
+    }
+)
+
+
+def is_startup_variable(name: str) -> bool:
+    if name in _LATER_NAMES or name.startswith(_LATER_PREFIXES):
+        return False
+    return name in _STARTUP_NAMES or name.startswith(_STARTUP_PREFIXES)
+
+
+def startup_environment(env: Mapping[str, str]) -> dict[str, str]:
+    """The part of a rank's environment that acts only when its process starts."""
+    return {k: v for k, v in env.items() if is_startup_variable(k)}
+
+
 def fingerprint(preload: list[str]) -> str:
     """What the starter's preloaded modules depend on. Installing or removing a package
     changes its site-packages folder's modification time; other folders (the notebook's,
@@ -62,11 +112,19 @@ def fingerprint(preload: list[str]) -> str:
 class Starter:
     """The caller's handle on its starter process."""
 
-    def __init__(self, preload: list[str], log_path: str | None = None):
+    def __init__(
+        self, preload: list[str], log_path: str | None = None, startup_env: Mapping[str, str] | None = None
+    ):
         self.preload = preload
         self.fingerprint = fingerprint(preload)
+        self.startup_env = dict(startup_environment(os.environ) if startup_env is None else startup_env)
+        self.log_path = log_path
+        self.started_at = time.monotonic()
+        # The caller's environment, with exactly the start-up variables the ranks will have.
+        env = {k: v for k, v in os.environ.items() if not is_startup_variable(k)}
+        env.update(self.startup_env)
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 - closed below
+        out = open(log_path, "ab", opener=private_files.opener) if log_path else subprocess.DEVNULL  # noqa: SIM115 - closed below
         try:
             self.proc = subprocess.Popen(
                 [
@@ -78,6 +136,7 @@ class Starter:
                     json.dumps(sys.path),
                 ],
                 pass_fds=(child.fileno(),),
+                env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=out,
@@ -96,6 +155,9 @@ class Starter:
     def fileno(self) -> int:
         return self.sock.fileno()
 
+    def waited_s(self) -> float:
+        return time.monotonic() - self.started_at
+
     def is_ready(self, wait_s: float = 0.0) -> bool:
         """True once the starter has imported its preload list (waits up to ``wait_s``)."""
         if self.ready or self.broken:
@@ -109,8 +171,17 @@ class Starter:
 
     def spawn(self, env: dict[str, str], cwd: str, run_dir: str, fds: list[int]) -> int:
         with self._lock:
-            message = json.dumps({"op": "spawn", "env": env, "cwd": cwd, "run_dir": run_dir}).encode()
-            socket.send_fds(self.sock, [message], fds)
+            if self.broken:
+                raise OSError("the warm starter was closed")
+            request = {
+                "op": "spawn",
+                "env": env,
+                "cwd": cwd,
+                "run_dir": run_dir,
+                "umask": _current_umask(),
+                "sigint_ignored": _sigint_ignored(),
+            }
+            socket.send_fds(self.sock, [json.dumps(request).encode()], fds)
             deadline = time.monotonic() + 30.0
             while True:
                 # Exit reports of ranks started earlier can come first: they are stored, not answers.
@@ -133,7 +204,14 @@ class Starter:
 
     def _receive(self, timeout: float) -> dict[str, Any] | None:
         """Read one message if one comes within ``timeout``, record what it says, and return it."""
-        ready, _, _ = select.select([self.sock], [], [], timeout)
+        if self.sock.fileno() < 0:  # closed under us (the interpreter exiting, say)
+            self.broken = True
+            return None
+        try:
+            ready, _, _ = select.select([self.sock], [], [], timeout)
+        except (OSError, ValueError):
+            self.broken = True
+            return None
         if not ready:
             return None
         try:
@@ -157,8 +235,10 @@ class Starter:
         return not self.broken and self.proc.poll() is None
 
     def close(self) -> None:
-        self.broken = True
+        was_ready, self.broken = self.ready, True
         self.sock.close()  # EOF: the starter kills what it started and exits
+        if not was_ready:
+            self.proc.kill()  # still importing (or stuck there): it would not read the EOF soon
         try:
             self.proc.wait(10)
         except subprocess.TimeoutExpired:
@@ -166,39 +246,149 @@ class Starter:
             self.proc.wait()
 
 
-STARTER_WAIT_S = 120.0  # past this, a call gives up on the starter and starts its ranks cold
+def starter_wait_s() -> float:
+    """How long a starter may take, in all, to become ready before calls give up on it."""
+    try:
+        return max(0.0, float(os.environ.get("AIR_MAGIC_STARTER_WAIT", "60")))
+    except ValueError:
+        return 60.0
 
 
-def prestart(log_root: str | None = None) -> None:
-    """Make sure a starter is on its way, without waiting for it."""
-    get_starter(log_root, wait_s=0.0)
+_stuck: set[str] = set()  # fingerprints of starters that never became ready: go cold until restart()
 
 
-def get_starter(log_root: str | None = None, wait_s: float = 0.0) -> Starter | None:
-    """The ready starter for this caller (waiting up to ``wait_s``), or None; starts one if needed."""
+def prestart(log_root: str | None = None, env: Mapping[str, str] | None = None) -> None:
+    """Make sure a starter is on its way, without waiting for it.
+
+    ``env`` is the call's extra environment: its start-up variables go to the starter.
+    """
+    if enabled():
+        get_starter(log_root, startup_environment({**os.environ, **(env or {})}), wait_s=0.0)
+
+
+def get_starter(
+    log_root: str | None = None, startup_env: Mapping[str, str] | None = None, wait_s: float = 0.0
+) -> Starter | None:
+    """The ready starter for ranks with these start-up variables (waiting up to ``wait_s``), or None.
+
+    Starts one if needed; rebuilds one whose start-up variables differ (said in one line).
+    Returns None when warm start is off, when the starter is not ready within ``wait_s``,
+    or when it has used up its :func:`starter_wait_s` (it is then dropped, said once).
+    """
     global _starter
     if not enabled():
         return None
     preload = preload_list()
+    wanted = dict(startup_environment(os.environ) if startup_env is None else startup_env)
+    fp = fingerprint(preload)
+    if fp in _stuck:
+        return None
     with _lock:
-        if _starter is not None and (not _starter.alive() or _starter.fingerprint != fingerprint(preload)):
+        if _starter is not None and (not _starter.alive() or _starter.fingerprint != fp):
+            _starter.close()
+            _starter = None
+        if _starter is not None and _starter.startup_env != wanted:
+            _say_rebuild(_starter.startup_env, wanted)
             _starter.close()
             _starter = None
         if _starter is None:
-            from air_magic.output import default_log_root
-
-            root = log_root or default_log_root()
-            os.makedirs(root, mode=0o700, exist_ok=True)
-            _starter = Starter(preload, os.path.join(root, "starter.log"))
+            try:
+                _starter = Starter(preload, _starter_log(log_root), wanted)
+            except (OSError, ConfigurationError):
+                # The log folder cannot be written: the call's own log folder will say so
+                # clearly (output.make_log_dir); this call simply starts fresh ranks.
+                return None
         starter = _starter
-    return starter if starter.is_ready(wait_s) else None
+    budget = starter_wait_s() - starter.waited_s()
+    if starter.is_ready(max(0.0, min(wait_s, budget))):
+        return starter
+    if starter.waited_s() >= starter_wait_s() and not starter.is_ready():
+        _give_up(starter)
+    return None
+
+
+def starting() -> Starter | None:
+    """The starter that is on its way but not ready yet, if any."""
+    starter = _starter
+    if starter is None or not starter.alive() or starter.is_ready():
+        return None
+    return starter
+
+
+def _starter_log(log_root: str | None) -> str:
+    from air_magic.output import default_log_root
+
+    root = log_root or default_log_root()
+    os.makedirs(root, mode=0o700, exist_ok=True)
+    return os.path.join(root, "starter.log")
+
+
+def _say_rebuild(old: Mapping[str, str], new: Mapping[str, str]) -> None:
+    changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+    shown = ", ".join(changed[:4]) + (f" and {len(changed) - 4} more" if len(changed) > 4 else "")
+    print(
+        f"air_magic: restarting the warm starter: {shown} differ from its start-up environment "
+        "(they act only when a process starts, so ranks need a starter started with them)",
+        file=sys.stderr,
+    )
+
+
+def _give_up(starter: Starter) -> None:
+    global _starter
+    with _lock:
+        _stuck.add(starter.fingerprint)
+        if _starter is starter:
+            _starter = None
+    starter.close()
+    print(
+        f"air_magic: the warm starter did not become ready in {starter_wait_s():g} s "
+        f"(its log: {starter.log_path}); calls start fresh ranks until %distributed restart "
+        "(or air_magic.restart_warm_start()). AIR_MAGIC_STARTER_WAIT sets the wait.",
+        file=sys.stderr,
+    )
+
+
+def _current_umask() -> int:
+    """The caller's umask, read without changing it (os.umask would, for a moment, in every thread)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _sigint_ignored() -> bool:
+    try:
+        return signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    except ValueError:
+        return False
+
+
+_exiting = False
 
 
 @atexit.register
+def _at_exit() -> None:
+    global _exiting
+    _exiting = True  # a call still running in a daemon thread is being stopped, not failing
+    restart()
+
+
+def process_exiting() -> bool:
+    """True once this process has begun to exit (its warm starter, and the ranks it forked, are gone)."""
+    return _exiting
+
+
 def restart() -> None:
     """Stop the starter; the next call starts a fresh one (after installing packages, say)."""
     global _starter
     with _lock:
+        _stuck.clear()
         if _starter is not None:
             _starter.close()
             _starter = None

@@ -46,6 +46,11 @@ def error_path(run_dir: str, rank: int) -> str:
     return os.path.join(run_dir, f"error-{rank}.pkl")
 
 
+def loaded_path(run_dir: str, rank: int) -> str:
+    """An empty mark: this rank has read the payload (the launcher then deletes it)."""
+    return os.path.join(run_dir, f"loaded-{rank}")
+
+
 @dataclass
 class ErrorRecord:
     """What a rank reports when it fails.
@@ -66,14 +71,21 @@ class ErrorRecord:
 
 def write_atomically(path: str, data: bytes) -> None:
     tmp = f"{path}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     try:
-        view = memoryview(data)
-        while view:
-            written = os.write(fd, view)
-            view = view[written:]
-    finally:
-        os.close(fd)
+        try:
+            view = memoryview(data)
+            while view:
+                written = os.write(fd, view)
+                view = view[written:]
+        finally:
+            os.close(fd)
+    except BaseException:
+        try:  # a half-written file (a full disk) is never taken for a result
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
     os.replace(tmp, path)
 
 

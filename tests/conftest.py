@@ -103,6 +103,17 @@ def no_leftovers():
 
 
 @pytest.fixture
+def starter():
+    """A new, ready warm starter for this process."""
+    from air_magic import restart_warm_start, warm
+
+    restart_warm_start()
+    found = warm.get_starter(wait_s=120)
+    assert found is not None, "the warm starter did not come up"
+    return found
+
+
+@pytest.fixture
 def store(tmp_path, monkeypatch):
     """A fresh embedded MLflow store, and no MLflow configuration left over from another test."""
     mlflow = pytest.importorskip("mlflow")

@@ -106,7 +106,7 @@ def test_kernel_restart_mid_run(kernel):
     pids, run_id, _ = _start_and_wait(kernel, lambda: _restart_in_background(kernel))
     assert _gone_within(pids)
     deadline = time.monotonic() + 60
-    while (kernel.pid == old_pid or not kernel.km.is_alive()) and time.monotonic() < deadline:
+    while (kernel.pid in (old_pid, None) or not kernel.km.is_alive()) and time.monotonic() < deadline:
         time.sleep(0.1)
     kernel.kc.wait_for_ready(timeout=60)
     reply, _ = kernel.run(

@@ -281,7 +281,8 @@ def _run_dir_modes():
 def test_run_directory_is_private():
     (dir_mode, files), _ = distributed(num_accelerators=2, display="none")(_run_dir_modes).distributed()
     assert dir_mode == "0o700"
-    assert files["payload.pkl"] == files["launch.json"] == "0o600"
+    # payload.pkl may already be gone: it is deleted once every rank has read it.
+    assert files["launch.json"] == "0o600" and set(files.values()) == {"0o600"}
     # The autouse fixture checks that it is gone afterwards.
 
 

@@ -164,3 +164,67 @@ def test_line_magic_status_logs_and_settings(ip):
 def test_ipythons_own_names_are_skipped_and_reported(ip):
     _, captured = cell(ip, "-n 2 --display none", "def later():\n    return In\n1\n")
     assert "not sent (IPython's own): In" in captured.stdout
+
+
+def test_augmented_assignment_and_del_work_on_notebook_names(ip):
+    ip.run_cell("counter = 1\nacc = 0\ndoomed = 'bye'\nkept_in_notebook = 3")
+    result, captured = cell(
+        ip,
+        "-n 2 --display none",
+        "counter += 1\nfor i in range(4):\n    acc += i\ndel doomed\ncounter + acc\n",
+    )
+    assert result == [8, 8]
+    assert ip.user_ns["counter"] == 2 and ip.user_ns["acc"] == 6
+    assert "doomed" not in ip.user_ns and ip.user_ns["kept_in_notebook"] == 3
+    assert "deleted: doomed" in captured.stdout
+
+
+def test_in_place_changes_to_sent_objects_come_back_and_unchanged_ones_stay(ip):
+    ip.run_cell("history = [1]\nconfig = {'lr': 0.1}\nrank_seen = {}")
+    config = ip.user_ns["config"]
+    _, captured = cell(
+        ip,
+        "-n 2 --display none",
+        "import os\nhistory.append(2)\nrank_seen[os.environ['RANK']] = config['lr']\n",
+    )
+    assert ip.user_ns["history"] == [1, 2]
+    assert ip.user_ns["rank_seen"] == {"0": 0.1}  # rank 0's version, as for assigned names
+    assert ip.user_ns["config"] is config  # read only: the notebook's own object stays
+    said = "brought back from rank 0: history (changed in place), rank_seen (changed in place)"
+    assert said in captured.stdout
+
+
+def test_star_imports_come_back(ip):
+    import string
+
+    for name in ("ascii_letters", "capwords", "Template"):
+        ip.user_ns.pop(name, None)
+    cell(ip, "-n 2 --display none", "from string import *\n")
+    assert ip.user_ns["ascii_letters"] == string.ascii_letters
+    assert ip.user_ns["capwords"] is string.capwords and ip.user_ns["Template"] is string.Template
+
+
+@pytest.mark.parametrize(
+    ("statement", "message"),
+    [
+        ("return 5", "'return' outside function"),
+        ("yield 5", "'yield' outside function"),
+        ("await something()", "'await' outside function"),
+        ("nonlocal z", "nonlocal declaration not allowed at module level"),
+    ],
+)
+def test_statements_only_valid_in_functions_fail_before_launch(ip, statement, message):
+    before = air_magic.last_run()
+    with pytest.raises(SyntaxError, match=message) as raised:
+        cell(ip, "-n 2", f"a = 1\n{statement}\nb = 2\n")
+    assert raised.value.lineno == 2
+    assert raised.value.filename.startswith("<ipython-input-") or "distributed-cell" in raised.value.filename
+    assert air_magic.last_run() is before
+
+
+def test_the_cell_compiles_without_air_magics_future_flags(ip):
+    # cell_runner.py has `from __future__ import annotations`; the cell must not inherit it.
+    result, _ = cell(
+        ip, "-n 2 --display none", "def typed(x: int):\n    pass\ntyped.__annotations__['x'] is int\n"
+    )
+    assert result == [True, True]

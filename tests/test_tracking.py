@@ -211,3 +211,113 @@ def test_the_cell_magic_names_experiment_and_run_and_can_turn_tracking_off(store
     assert run.data.tags["mlflow.runName"] == "my-cell" and run.data.tags["air_magic.kind"] == "cell"
     (source_file,) = [a.path for a in store.list_artifacts(run.info.run_id, "source")]
     assert Path(store.download_artifacts(run.info.run_id, source_file)).read_text() == "x = 1\n"
+
+
+def _named_run_in_each_rank():
+    import os
+    import warnings
+
+    import mlflow
+
+    rank = int(os.environ["RANK"])
+    shared = os.environ["MLFLOW_RUN_ID"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with mlflow.start_run(run_id=shared, run_name="renamed-by-a-rank"):  # resumes, keeps its name
+            pass
+    with mlflow.start_run(run_name=f"rank-{rank}") as child:  # as under torchrun: the rank's own run
+        mlflow.log_metric("rank_loss", float(rank))
+        with mlflow.start_run(run_name=f"rank-{rank}-inner", nested=True) as grandchild:
+            pass
+    mlflow.log_metric(f"rank{rank}_after", 1.0)  # the child ended: this lands in the shared run again
+    return child.info.run_id, grandchild.info.run_id, [str(w.message) for w in caught]
+
+
+@pytest.mark.fault(
+    "every rank calls mlflow.start_run(run_name=f'rank-{RANK}'), as code written for torchrun does",
+    "one child run per rank under the call's run, which keeps its name",
+)
+def test_a_named_start_run_in_each_rank_makes_a_child_run_and_never_renames_the_shared_one(store):
+    results = distributed(num_accelerators=2, display="none", experiment="named")(
+        _named_run_in_each_rank
+    ).distributed()
+    shared = air_magic.last_run().mlflow_run_id
+    run = store.get_run(shared)
+    assert run.info.run_name == "_named_run_in_each_rank" and run.info.status == "FINISHED"
+    assert run.data.metrics["rank0_after"] == 1.0 and run.data.metrics["rank1_after"] == 1.0
+    for rank, (child_id, grandchild_id, warned) in enumerate(results):
+        child = store.get_run(child_id)
+        assert child.info.run_name == f"rank-{rank}" and child.info.status == "FINISHED"
+        assert child.data.tags["mlflow.parentRunId"] == shared
+        assert child.info.experiment_id == run.info.experiment_id
+        assert child.data.metrics == {"rank_loss": float(rank)}
+        grandchild = store.get_run(grandchild_id)
+        assert grandchild.data.tags["mlflow.parentRunId"] == child_id
+        assert any("keeps its name" in w for w in warned), warned
+
+
+def _own_experiment_in_each_rank():
+    import os
+
+    import mlflow
+
+    mlflow.set_experiment("chosen-in-the-rank")
+    with mlflow.start_run() as run:
+        mlflow.log_param("rank", os.environ["RANK"])
+    return run.info.run_id
+
+
+@pytest.mark.fault(
+    "a rank calls mlflow.set_experiment() then mlflow.start_run(), as under torchrun",
+    "no MLflow error; the rank's run is in that experiment, a child of the call's run",
+)
+def test_set_experiment_then_start_run_in_a_rank_works_as_under_torchrun(store):
+    run_ids = distributed(num_accelerators=2, display="none", experiment="calls")(
+        _own_experiment_in_each_rank
+    ).distributed()
+    shared = only_run(store, "calls")
+    assert shared.info.status == "FINISHED" and shared.info.run_name == "_own_experiment_in_each_rank"
+    chosen = store.get_experiment_by_name("chosen-in-the-rank")
+    assert chosen is not None
+    runs = {r.info.run_id: r for r in store.search_runs([chosen.experiment_id])}
+    assert sorted(runs) == sorted(run_ids) and len(set(run_ids)) == 2
+    for rank, run_id in enumerate(run_ids):
+        assert runs[run_id].data.params == {"rank": str(rank)}
+        assert runs[run_id].data.tags["mlflow.parentRunId"] == shared.info.run_id
+        assert runs[run_id].info.status == "FINISHED"
+
+
+def _open_a_child_run_then_die(barrier):
+    import os
+    import time
+
+    import mlflow
+
+    rank = os.environ["RANK"]
+    mlflow.start_run(run_name=f"rank-{rank}")  # never ended: the rank dies first
+    open(os.path.join(barrier, rank), "w").close()
+    if rank == "1":
+        while len(os.listdir(barrier)) < 2:  # both child runs exist
+            time.sleep(0.01)
+        os._exit(3)
+    time.sleep(60)  # killed by the launcher once rank 1 has failed
+
+
+@pytest.mark.fault(
+    "ranks die with their own child MLflow run still open",
+    "the child runs end with the call's status, not RUNNING",
+)
+def test_child_runs_of_ranks_that_died_end_with_the_call(store, tmp_path):
+    barrier = tmp_path / "barrier"
+    barrier.mkdir()
+    with pytest.raises(air_magic.RankFailedError):
+        distributed(num_accelerators=2, display="none", experiment="dying", timeout=60)(
+            _open_a_child_run_then_die
+        ).distributed(str(barrier))
+    shared = store.get_run(air_magic.last_run().mlflow_run_id)
+    children = store.search_runs(
+        [shared.info.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{shared.info.run_id}'"
+    )
+    assert sorted(c.info.run_name for c in children) == ["rank-0", "rank-1"]
+    assert [c.info.status for c in children] == ["FAILED", "FAILED"]
+    assert shared.info.status == "FAILED"

@@ -28,14 +28,6 @@ def _who_am_i():
     }
 
 
-@pytest.fixture
-def starter():
-    restart_warm_start()
-    found = warm.get_starter(wait_s=120)
-    assert found is not None, "the warm starter did not come up"
-    return found
-
-
 def test_warm_ranks_are_forked_from_the_starter_yet_fresh(starter, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     fn = distributed(num_accelerators=2, display="none", tracking=False)(_who_am_i)

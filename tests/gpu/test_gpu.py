@@ -226,3 +226,31 @@ def _check_seed_metrics(world: int) -> None:
     steps_per_rank = -(-5000 // world)
     assert len(client.get_metric_history(run.info.run_id, "loss")) == 3 * steps_per_rank * world
     assert len(client.get_metric_history(run.info.run_id, "total_loss")) >= 1
+
+
+def _cuda_random_facts():
+    import os
+
+    import torch
+
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    return {
+        "cuda_seed": torch.cuda.initial_seed(),
+        "cuda_draw": torch.rand(2, device="cuda").tolist(),
+        "cpu_seed": torch.initial_seed(),
+    }
+
+
+@pytest.mark.parametrize("warm_start", [True, False], ids=["warm", "fresh"])
+def test_cuda_and_cpu_generators_are_fresh_per_rank_and_per_call(warm_start):
+    """A fresh process seeds torch's CUDA and CPU generators from the OS (seen on the device:
+    no fixed default). Warm ranks must too: the starter never created CUDA's generators, and
+    each fork reseeds the CPU one (issue "Faithful ranks")."""
+    fn = distributed(
+        num_accelerators=min(2, len(GPUS)), display="none", tracking=False, warm_start=warm_start
+    )(_cuda_random_facts)
+    facts = fn.distributed() + fn.distributed()
+    for key in ("cuda_seed", "cpu_seed"):
+        values = [f[key] for f in facts]
+        assert len(set(values)) == len(values), f"{key} repeats: {values}"
+    assert len({tuple(f["cuda_draw"]) for f in facts}) == len(facts)

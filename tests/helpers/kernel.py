@@ -18,8 +18,11 @@ class Kernel:
         self.km, self.kc = start_new_kernel(kernel_name="python3", cwd=str(cwd))
 
     @property
-    def pid(self) -> int:
-        return self.km.provisioner.process.pid
+    def pid(self) -> int | None:
+        """The kernel's pid; None while a restart has no process yet (read it guarded)."""
+        provisioner = self.km.provisioner
+        process = getattr(provisioner, "process", None) if provisioner is not None else None
+        return None if process is None else process.pid
 
     def run(self, code, timeout=120, on_message=None):
         msg_id = self.kc.execute(code)

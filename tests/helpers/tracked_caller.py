@@ -1,6 +1,7 @@
 """A tracked call in a script, for the interrupt tests: ranks log metrics, write a file when ready, sleep."""
 
 import os
+import signal
 import sys
 
 from air_magic import distributed
@@ -22,6 +23,7 @@ def sleeper(ready_dir, steps):
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started with SIGINT ignored
     try:
         sleeper.distributed(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 0)
     except KeyboardInterrupt:
