@@ -131,7 +131,10 @@ def store(tmp_path, monkeypatch):
         "MLFLOW_RUN_ID",
         "AIR_MAGIC_METRICS",
     ):
-        monkeypatch.delenv(name, raising=False)
+        # Set, then deleted: monkeypatch then removes at teardown what a test's MLflow calls
+        # wrote here (mlflow.set_experiment() exports MLFLOW_EXPERIMENT_ID, say).
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     monkeypatch.setattr(tracking_utils, "_tracking_uri", None)
     monkeypatch.setattr(mlflow.tracking.fluent, "_active_experiment_id", None)
     yield MlflowClient(tracking.embedded_uri())

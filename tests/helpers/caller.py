@@ -5,9 +5,13 @@ worker), writes "<rank pid> <child pid>" to DIR/rank-<N>.pid, and sleeps.
 The script prints what happened to the call on stdout.
 """
 
+import signal
 import sys
 
 from air_magic import distributed
+
+# Like an interactive script: a test run started in the background inherits SIGINT ignored.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @distributed(num_accelerators=2, display="none")
