@@ -310,11 +310,11 @@ def _delete_what_the_cell_deleted(shell: Any, missing: list[str], deleted: set[s
 
 
 def _mlflow_ui() -> Any:
-    try:
-        import mlflow  # noqa: F401
-    except ImportError:
-        raise UsageError("MLflow is not installed: pip install 'air_magic[mlflow]'") from None
     from air_magic import mlflow_ui, tracking
+
+    # Imported on a helper thread: a Ctrl-C here must not leave a half-imported mlflow behind.
+    if tracking.import_mlflow() is None:
+        raise UsageError("MLflow is not installed: pip install 'air_magic[mlflow]'")
 
     uri = tracking.current_uri()
     base = mlflow_ui.start_ui(uri)
