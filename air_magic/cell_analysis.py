@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import ast
 import symtable
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 _SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)
 _COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)
@@ -51,29 +51,25 @@ def names_assigned(tree: ast.Module) -> list[str]:
 
 
 def names_deleted(tree: ast.Module) -> list[str]:
-    return list(
-        dict.fromkeys(
-            node.id
-            for stmt in tree.body
-            for node in _walk_scope(stmt)
-            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Del)
-        )
-    )
+    return _unique(n.id for n in _cell_level(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Del))
 
 
 def star_imports(tree: ast.Module) -> list[str]:
     """Modules the cell star-imports at module level (``from m import *``; relative ones cannot run there)."""
-    return list(
-        dict.fromkeys(
-            node.module
-            for stmt in tree.body
-            for node in _walk_scope(stmt)
-            if isinstance(node, ast.ImportFrom)
-            and node.module
-            and node.level == 0
-            and any(alias.name == "*" for alias in node.names)
-        )
+    return _unique(
+        n.module
+        for n in _cell_level(tree)
+        if isinstance(n, ast.ImportFrom) and n.module and n.level == 0 and any(a.name == "*" for a in n.names)
     )
+
+
+def _cell_level(tree: ast.Module) -> Iterator[ast.AST]:
+    for stmt in tree.body:
+        yield from _walk_scope(stmt)
+
+
+def _unique(names: Iterable[str]) -> list[str]:
+    return list(dict.fromkeys(names))
 
 
 def _walk_scope(node: ast.AST) -> Iterator[ast.AST]:

@@ -97,7 +97,7 @@ def launch(
     payload = build_payload(func, bound, settings.max_payload_bytes)
     run_start = None
     if settings.tracking:
-        run_start = tracking.RunStart(
+        call = tracking.CallFacts(
             name=name,
             kind=kind,
             source=source if source is not None else _source_of(func),
@@ -106,8 +106,8 @@ def launch(
             accelerator_type=settings.accelerator_type.name if settings.accelerator_type else None,
             experiment=settings.experiment,
             run_name=settings.run_name,
-            log_root=settings.log_dir,
         )
+        run_start = tracking.RunStart(call, log_root=settings.log_dir)
     outcome = "interrupted"
     # The run is made inside the try: an interrupt at any moment from here on (even while
     # the run is being created, on RunStart's thread) ends it KILLED rather than leaving it RUNNING.

@@ -218,6 +218,20 @@ class TrackedRun:
             _warn(f"could not end the runs the ranks started under MLflow run {self.run_id}: {exc}")
 
 
+@dataclass(frozen=True)
+class CallFacts:
+    """What the call's run records of the call (known before anything launches)."""
+
+    name: str
+    kind: str  # 'function' or 'cell'
+    source: str | None
+    plan: AcceleratorPlan
+    timeout: float | None
+    accelerator_type: str | None
+    experiment: str | None
+    run_name: str | None
+
+
 class RunStart:
     """Creates the call's run on an owner thread, which then does all of the run's MLflow work.
 
@@ -231,30 +245,9 @@ class RunStart:
     remote server gets :func:`_setup_wait_s`, then the call runs untracked.
     """
 
-    def __init__(
-        self,
-        *,
-        name: str,
-        kind: str,
-        source: str | None,
-        plan: AcceleratorPlan,
-        timeout: float | None,
-        accelerator_type: str | None,
-        experiment: str | None,
-        run_name: str | None,
-        log_root: str | None = None,
-    ):
-        self._call: dict[str, Any] = dict(
-            name=name,
-            kind=kind,
-            source=source,
-            plan=plan,
-            timeout=timeout,
-            accelerator_type=accelerator_type,
-            experiment=experiment,
-            run_name=run_name,
-        )
-        self._timeout = timeout
+    def __init__(self, call: CallFacts, log_root: str | None = None):
+        self._call = call
+        self._timeout = call.timeout
         self._log_root = log_root
         self._jobs: queue.SimpleQueue[Callable[[], object] | str] = queue.SimpleQueue()
         self._uri_known = threading.Event()
@@ -299,7 +292,7 @@ class RunStart:
             if _is_remote(self.uri):
                 self._unreachable = _unreachable(self.uri, _check_s(_setup_wait_s(self.uri, self._timeout)))
             if self._unreachable is None:
-                self._tracked = _create_run(mlflow, self.uri, active, self._jobs, **self._call)
+                self._tracked = _create_run(mlflow, self.uri, active, self._jobs, self._call)
         except BaseException as exc:  # noqa: BLE001 - raised again on the caller's thread
             self._error = exc
         finally:
@@ -378,19 +371,7 @@ def _forget_orphans(new_modules: set[str]) -> None:
 
 
 def _create_run(
-    mlflow: Any,
-    uri: str,
-    active: Any,
-    jobs: queue.SimpleQueue[Callable[[], object] | str],
-    *,
-    name: str,
-    kind: str,
-    source: str | None,
-    plan: AcceleratorPlan,
-    timeout: float | None,
-    accelerator_type: str | None,
-    experiment: str | None,
-    run_name: str | None,
+    mlflow: Any, uri: str, active: Any, jobs: queue.SimpleQueue[Callable[[], object] | str], call: CallFacts
 ) -> TrackedRun | None:
     """Create the call's run (on its owner thread); None when the call ended before it began."""
     from mlflow.tracking import MlflowClient
@@ -400,30 +381,25 @@ def _create_run(
     if uri not in _reaped:
         _reaped.add(uri)
         _end_orphaned_runs(client)
-    experiment_id = _experiment_id(mlflow, client, uri, active, experiment)
-    tags = {"mlflow.source.name": name, "mlflow.source.type": "NOTEBOOK" if kind == "cell" else "LOCAL"}
-    tags["air_magic.kind"] = kind
+    experiment_id = _experiment_id(mlflow, client, uri, active, call.experiment)
+    tags = {
+        "mlflow.source.name": call.name,
+        "mlflow.source.type": "NOTEBOOK" if call.kind == "cell" else "LOCAL",
+    }
+    tags["air_magic.kind"] = call.kind
     tags["air_magic.host"] = socket.gethostname()
     tags["air_magic.caller"] = _caller_id()
     if active is not None and active.info.experiment_id == experiment_id:
         tags["mlflow.parentRunId"] = active.info.run_id
     if not jobs.empty():
         return None  # the call was interrupted while its run was being prepared: nothing to record
-    run = client.create_run(experiment_id, run_name=run_name or _run_name(name), tags=tags)
+    run = client.create_run(experiment_id, run_name=call.run_name or _run_name(call.name), tags=tags)
     run_id = run.info.run_id
     end_wait_s = REMOTE_END_S if _is_remote(uri) else None
     tracked = TrackedRun(client, run_id, experiment_id, uri, None, {}, jobs=jobs, end_wait_s=end_wait_s)
     _live.append(tracked)
     try:
-        _describe_call(
-            tracked,
-            kind=kind,
-            name=name,
-            source=source,
-            plan=plan,
-            timeout=timeout,
-            accelerator_type=accelerator_type,
-        )
+        _describe_call(tracked, call)
     except BaseException:
         jobs.put("failed")  # the run exists: end it with the call, which fails with this error
         tracked.serve()
@@ -431,26 +407,17 @@ def _create_run(
     return tracked
 
 
-def _describe_call(
-    tracked: TrackedRun,
-    *,
-    kind: str,
-    name: str,
-    source: str | None,
-    plan: AcceleratorPlan,
-    timeout: float | None,
-    accelerator_type: str | None,
-) -> None:
+def _describe_call(tracked: TrackedRun, call: CallFacts) -> None:
     """Log the call's parameters and source; give the ranks their environment and the metric writer."""
     client, run_id, uri = tracked.client, tracked.run_id, tracked.tracking_uri
     experiment_id = tracked.experiment_id
     params = {
-        "world_size": plan.world_size,
-        "backend": plan.backend,
-        "accelerators": plan.detected,
-        "accelerator_type": accelerator_type or "auto",
-        "timeout_s": "none" if timeout is None else f"{timeout:g}",
-        "function" if kind == "function" else "cell": name,
+        "world_size": call.plan.world_size,
+        "backend": call.plan.backend,
+        "accelerators": call.plan.detected,
+        "accelerator_type": call.accelerator_type or "auto",
+        "timeout_s": "none" if call.timeout is None else f"{call.timeout:g}",
+        "function" if call.kind == "function" else "cell": call.name,
         "air_magic_version": __version__,
         "torch_version": _version("torch"),
         "python_version": platform.python_version(),
@@ -458,8 +425,8 @@ def _describe_call(
     from mlflow.entities import Param
 
     client.log_batch(run_id, params=[Param(k, str(v)) for k, v in params.items()])
-    if source:
-        client.log_text(run_id, source, f"source/{_safe(name)}.py")
+    if call.source:
+        client.log_text(run_id, call.source, f"source/{_safe(call.name)}.py")
     env = {
         "MLFLOW_TRACKING_URI": uri,
         "MLFLOW_EXPERIMENT_ID": experiment_id,
