@@ -15,7 +15,7 @@ ipywidgets (rank processes import it too).
 """
 
 from air_magic._version import __version__
-from air_magic.accelerators import AcceleratorType
+from air_magic.backends.local.warm import restart as restart_warm_start
 from air_magic.decorator import DistributedFunction, distributed
 from air_magic.errors import (
     AcceleratorError,
@@ -28,15 +28,15 @@ from air_magic.errors import (
     RankFailedError,
     RemoteTraceback,
 )
-from air_magic.history import RunInfo, last_run
-from air_magic.torch_helpers import init_process_group
-from air_magic.warm import restart as restart_warm_start
+from air_magic.launch.accelerators import AcceleratorType
+from air_magic.session.history import RunInfo, last_run
+from air_magic.worker.torch_helpers import init_process_group
 
 
 def load_ipython_extension(ipython: object) -> None:
     """``%load_ext air_magic``: register ``%%distributed`` and ``%distributed``."""
-    from air_magic import warm
-    from air_magic.magics import load
+    from air_magic.backends.local import warm
+    from air_magic.notebook.magics import load
 
     load(ipython)
     warm.prestart()  # torch is imported once, in the background, before the first cell needs it
@@ -44,7 +44,7 @@ def load_ipython_extension(ipython: object) -> None:
 
 def unload_ipython_extension(ipython: object) -> None:
     """``%unload_ext air_magic``: remove both magics."""
-    from air_magic.magics import unload
+    from air_magic.notebook.magics import unload
 
     unload(ipython)
 

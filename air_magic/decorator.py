@@ -3,7 +3,7 @@
 ``@distributed`` / ``@distributed(...)`` wrap a function in a
 :class:`DistributedFunction`. ``fn.distributed(*args, **kwargs)`` binds the
 arguments against the signature, plans the accelerators, pickles the payload
-once, and hands a :class:`~air_magic.launcher.LaunchRequest` to the launcher;
+once, and hands a :class:`~air_magic.backends.local.backend.LaunchRequest` to the launcher;
 it returns every rank's return value in rank order or raises the first
 failing rank's error.
 """
@@ -16,15 +16,17 @@ import os
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar, overload
 
-from air_magic import tracking, warm, wire
-from air_magic.accelerators import AcceleratorType, plan_accelerators
+from air_magic.backends.local import warm
+from air_magic.backends.local.backend import LaunchRequest, LocalLauncher, RunResult
+from air_magic.display.widgets import make_consumers
 from air_magic.errors import ConfigurationError, DirectCallError
-from air_magic.events import Consumer, EventBus
-from air_magic.history import RunHistory
-from air_magic.launcher import LaunchRequest, LocalLauncher, RunResult
-from air_magic.payload import build_payload, remember_module_file
-from air_magic.settings import _UNSET, LaunchSettings, make_settings
-from air_magic.widget_display import make_consumers
+from air_magic.launch.accelerators import AcceleratorType, plan_accelerators
+from air_magic.launch.payload import build_payload, remember_module_file
+from air_magic.launch.settings import _UNSET, LaunchSettings, make_settings
+from air_magic.protocol import wire
+from air_magic.protocol.events import Consumer, EventBus
+from air_magic.session.history import RunHistory
+from air_magic.tracking import run as tracking
 
 R = TypeVar("R")
 

@@ -192,7 +192,7 @@ def main() -> None:
     if args.rank_entry:
         _rank_entry(args.rank_entry)
         return
-    from air_magic.accelerators import detect_gpus
+    from air_magic.launch.accelerators import detect_gpus
 
     ranks = len(detect_gpus())
     if not ranks and not args.small:

@@ -31,7 +31,8 @@ sys.path.insert(0, HERE)
 
 from trivial_job import trivial  # noqa: E402
 
-from air_magic import distributed, warm  # noqa: E402
+from air_magic import distributed  # noqa: E402
+from air_magic.backends.local import warm  # noqa: E402
 
 
 def timed(fn, repeats: int) -> list[float]:
@@ -105,7 +106,7 @@ def notebook_launcher(ranks: int, repeats: int) -> float | None:
 
 
 def _has_gpu() -> bool:
-    from air_magic.accelerators import detect_gpus
+    from air_magic.launch.accelerators import detect_gpus
 
     return bool(detect_gpus())
 

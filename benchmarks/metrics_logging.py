@@ -130,7 +130,8 @@ def seed_example(mode: str) -> float:
 def run_mode(case: str, mode: str, ranks: int | None, count: int) -> dict[str, Any]:
     from mlflow.tracking import MlflowClient
 
-    from air_magic import distributed, last_run, tracking
+    from air_magic import distributed, last_run
+    from air_magic.tracking import run as tracking
 
     if mode in ("direct", "rank-batch"):
         os.environ["AIR_MAGIC_METRICS"] = "direct"

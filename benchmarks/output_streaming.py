@@ -18,7 +18,8 @@ import platform
 import statistics
 import time
 
-from air_magic import distributed, last_run, warm
+from air_magic import distributed, last_run
+from air_magic.backends.local import warm
 
 
 def chatty(n: int, to_devnull: bool) -> int:

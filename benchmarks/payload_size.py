@@ -18,7 +18,8 @@ import time
 
 import psutil
 
-from air_magic import distributed, warm
+from air_magic import distributed
+from air_magic.backends.local import warm
 
 
 def size_of(data: bytes) -> int:

@@ -62,7 +62,7 @@ def leftover_processes(timeout: float = LEFTOVER_WAIT_S) -> list[psutil.Process]
 
     The warm starter of this process is meant to stay (it is a cache); what it started is not.
     """
-    from air_magic import warm
+    from air_magic.backends.local import warm
 
     deadline = time.monotonic() + timeout
     while True:
@@ -105,7 +105,8 @@ def no_leftovers():
 @pytest.fixture
 def starter():
     """A new, ready warm starter for this process."""
-    from air_magic import restart_warm_start, warm
+    from air_magic import restart_warm_start
+    from air_magic.backends.local import warm
 
     restart_warm_start()
     found = warm.get_starter(wait_s=120)
@@ -120,7 +121,7 @@ def store(tmp_path, monkeypatch):
     from mlflow.tracking import MlflowClient
     from mlflow.tracking._tracking_service import utils as tracking_utils
 
-    from air_magic import tracking
+    from air_magic.tracking import run as tracking
 
     monkeypatch.chdir(tmp_path)  # MLflow's own defaults (./mlruns) must not land in the repository
     monkeypatch.setenv("AIR_MAGIC_MLFLOW_DIR", str(tmp_path / "mlflow"))
@@ -146,7 +147,7 @@ def mlflow_status(info) -> str:
     """The MLflow status of a run's call, read back from the session's embedded store."""
     from mlflow.tracking import MlflowClient
 
-    from air_magic.tracking import embedded_uri
+    from air_magic.tracking.run import embedded_uri
 
     assert info is not None and info.mlflow_run_id, "the call was not tracked"
     return MlflowClient(embedded_uri()).get_run(info.mlflow_run_id).info.status

@@ -12,14 +12,14 @@ import sys
 
 import pytest
 
-from air_magic.accelerators import (
+from air_magic.errors import AcceleratorError, ConfigurationError
+from air_magic.launch.accelerators import (
     GPU,
     apply_visible_devices,
     detect_gpus,
     parse_accelerator_type,
     plan_accelerators,
 )
-from air_magic.errors import AcceleratorError, ConfigurationError
 
 H200 = [GPU(i, f"GPU-{i}aaaa-0000", "NVIDIA H200") for i in range(2)]
 A10G = [GPU(0, "GPU-a10g", "NVIDIA A10G")]
@@ -27,7 +27,7 @@ A10G = [GPU(0, "GPU-a10g", "NVIDIA A10G")]
 
 def test_detection_here_finds_no_gpu_and_imports_nothing_heavy():
     code = (
-        "import sys; from air_magic.accelerators import detect_gpus; print(detect_gpus());"
+        "import sys; from air_magic.launch.accelerators import detect_gpus; print(detect_gpus());"
         "print(sorted(m for m in ('torch','IPython','ipywidgets') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
@@ -84,7 +84,7 @@ def test_type_count_sets_the_default_ranks():
 
 def test_legacy_type_matches_the_model_only():
     with pytest.warns(FutureWarning):
-        from air_magic.settings import make_settings
+        from air_magic.launch.settings import make_settings
 
         spec = make_settings(accelerator_type="a10g").accelerator_type
     assert plan_accelerators(None, spec, gpus=A10G).world_size == 1  # NVML says 'A10G'; the seed says A10
@@ -101,8 +101,8 @@ def test_cuda_visible_devices_by_index_and_uuid():
 
 def test_ranks_get_gpu_indices_in_pci_order_and_mig_uuids():
     """Indices, not UUIDs: DeepSpeed parses CUDA_VISIBLE_DEVICES as integers (found on 2xH200)."""
-    from air_magic.accelerators import AcceleratorPlan
-    from air_magic.rank_env import rank_environment
+    from air_magic.launch.accelerators import AcceleratorPlan
+    from air_magic.launch.rank_env import rank_environment
 
     def env_for(gpus):
         plan = AcceleratorPlan(world_size=len(gpus), gpus=tuple(gpus), detected="test")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ast
 
-from air_magic.cell_analysis import names_assigned, names_deleted, names_read, star_imports
+from air_magic.notebook.cell_analysis import names_assigned, names_deleted, names_read, star_imports
 
 
 def parse(source: str) -> ast.Module:

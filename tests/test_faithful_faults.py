@@ -14,7 +14,8 @@ from conftest import run_ranks
 from test_fault_matrix import _raise_everywhere_at_once
 
 import air_magic
-from air_magic import distributed, restart_warm_start, warm
+from air_magic import distributed, restart_warm_start
+from air_magic.backends.local import warm
 from air_magic.errors import ConfigurationError, DistributedTimeoutError, RankFailedError
 
 fault = pytest.mark.fault

@@ -19,7 +19,8 @@ from conftest import mlflow_status
 from conftest import run_ranks as run
 
 import air_magic
-from air_magic import distributed, warm
+from air_magic import distributed
+from air_magic.backends.local import warm
 
 fault = pytest.mark.fault
 

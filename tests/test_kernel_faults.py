@@ -20,7 +20,7 @@ from conftest import mlflow_status
 pytest.importorskip("ipykernel")
 from helpers.kernel import Kernel
 
-from air_magic.history import RunInfo
+from air_magic.session.history import RunInfo
 
 fault = pytest.mark.fault
 

@@ -291,7 +291,7 @@ def _quiet():
 
 
 def test_cpu_mode_is_said_once_per_process(monkeypatch, capsys):
-    from air_magic import text_display
+    from air_magic.display import text as text_display
 
     monkeypatch.setattr(text_display, "_cpu_mode_said", False)
     fn = distributed(num_accelerators=2, display="text")(_quiet)
@@ -301,11 +301,11 @@ def test_cpu_mode_is_said_once_per_process(monkeypatch, capsys):
 
 
 def test_a_broken_display_never_breaks_the_run(capsys):
-    from air_magic.accelerators import plan_accelerators
-    from air_magic.events import EventBus, RankOutput
-    from air_magic.history import RunHistory
-    from air_magic.launcher import LaunchRequest, LocalLauncher
-    from air_magic.serialization import dumps
+    from air_magic.backends.local.backend import LaunchRequest, LocalLauncher
+    from air_magic.launch.accelerators import plan_accelerators
+    from air_magic.protocol.events import EventBus, RankOutput
+    from air_magic.protocol.serialization import dumps
+    from air_magic.session.history import RunHistory
 
     class Broken:
         def handle(self, event):

@@ -212,7 +212,7 @@ def test_a_raising_rank_keeps_its_metrics_with_the_users_timestamps(store):
 
 def test_the_writer_takes_only_complete_lines(store, tmp_path):
     """A line caught half-written is left for the next pass, then written whole."""
-    from air_magic.metric_writer import MetricWriter
+    from air_magic.tracking.metric_writer import MetricWriter
 
     experiment = store.create_experiment("writer", artifact_location=(tmp_path / "a").as_uri())
     run_id = store.create_run(experiment).info.run_id

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from air_magic.screen import RankScreen
+from air_magic.display.screen import RankScreen
 
 
 def test_a_tqdm_style_stream_ends_as_its_final_line():

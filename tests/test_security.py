@@ -15,8 +15,11 @@ import time
 import pytest
 
 import air_magic
-from air_magic import distributed, rank_entry, warm, wire
+from air_magic import distributed
+from air_magic.backends.local import warm
 from air_magic.errors import ConfigurationError
+from air_magic.protocol import wire
+from air_magic.worker import entry as rank_entry
 
 
 def _sockets_seen_from_a_rank():
@@ -84,7 +87,7 @@ def test_log_and_mlflow_folders_are_private():
     assert stat.S_IMODE(os.stat(info.log_dir).st_mode) == 0o700
     for rank in (0, 1):
         assert stat.S_IMODE(os.stat(info.log_path(rank)).st_mode) == 0o600
-    from air_magic.tracking import embedded_dir
+    from air_magic.tracking.run import embedded_dir
 
     assert stat.S_IMODE(os.stat(embedded_dir()).st_mode) == 0o700
 
@@ -230,7 +233,7 @@ def test_an_embedded_store_folder_of_another_user_is_refused_before_launch(store
 def test_the_embedded_store_and_the_starter_log_are_0600_files_in_0700_folders(store, tmp_path, monkeypatch):
     monkeypatch.setenv("AIR_MAGIC_MLFLOW_DIR", str(tmp_path / "fresh"))  # a store MLflow has not opened yet
     distributed(num_accelerators=2, display="none")(_quiet).distributed()  # logs, source, metrics
-    from air_magic.tracking import embedded_dir
+    from air_magic.tracking.run import embedded_dir
 
     assert os.path.exists(os.path.join(embedded_dir(), "mlflow.db"))
     assert any("rank-0.log" in files for _d, _s, files in os.walk(embedded_dir()))  # the copies
@@ -242,7 +245,8 @@ def test_the_embedded_store_and_the_starter_log_are_0600_files_in_0700_folders(s
 
 
 def test_the_ui_server_log_and_everything_it_writes_are_private(store, tmp_path, monkeypatch):
-    from air_magic import mlflow_ui, tracking
+    from air_magic.tracking import run as tracking
+    from air_magic.tracking import ui as mlflow_ui
 
     monkeypatch.setenv("AIR_MAGIC_MLFLOW_DIR", str(tmp_path / "fresh"))  # a store MLflow has not opened yet
 
@@ -331,14 +335,14 @@ def test_another_local_user_can_write_keys_of_a_calls_store_as_the_docs_say():
 
 
 def _gpu_plan():
-    from air_magic.accelerators import GPU, AcceleratorPlan
+    from air_magic.launch.accelerators import GPU, AcceleratorPlan
 
     gpus = (GPU(0, "GPU-0", "NVIDIA H200"), GPU(1, "GPU-1", "NVIDIA H200"))
     return AcceleratorPlan(world_size=2, gpus=gpus, detected="GPU_2xH200")
 
 
 def _env_of_rank(plan, base, extra=None):
-    from air_magic.rank_env import rank_environment
+    from air_magic.launch.rank_env import rank_environment
 
     return rank_environment(
         rank=0, plan=plan, port=12345, run_id="r", run_dir="/x", log_dir="/y",
@@ -377,7 +381,7 @@ def _nccl_listeners():
 
 @pytest.mark.gpu
 def test_with_nccl_every_listening_socket_of_a_rank_is_on_loopback():
-    from air_magic.accelerators import detect_gpus
+    from air_magic.launch.accelerators import detect_gpus
 
     if not detect_gpus():
         pytest.skip("no NVIDIA GPU visible through NVML")

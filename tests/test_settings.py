@@ -8,8 +8,8 @@ import warnings
 import pytest
 
 from air_magic import AcceleratorType, ConfigurationError, DirectCallError, distributed
-from air_magic.accelerators import parse_accelerator_type
-from air_magic.settings import DEFAULT_TIMEOUT
+from air_magic.launch.accelerators import parse_accelerator_type
+from air_magic.launch.settings import DEFAULT_TIMEOUT
 
 
 def train(x, y=2):

@@ -20,7 +20,9 @@ from conftest import interrupt_tracked_caller  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
 import air_magic  # noqa: E402
-from air_magic import distributed, mlflow_ui, tracking  # noqa: E402
+from air_magic import distributed  # noqa: E402
+from air_magic.tracking import run as tracking  # noqa: E402
+from air_magic.tracking import ui as mlflow_ui  # noqa: E402
 
 
 def only_run(client, experiment=None):

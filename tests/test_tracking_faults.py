@@ -49,7 +49,7 @@ def _run_helper(script: str, *args: str, timeout: float = 180) -> dict:
 
 
 def _statuses(experiment: str) -> list[str]:
-    from air_magic import tracking
+    from air_magic.tracking import run as tracking
 
     client = MlflowClient(tracking.embedded_uri())
     found = client.get_experiment_by_name(experiment)

@@ -8,7 +8,8 @@ import sys
 import psutil
 import pytest
 
-from air_magic import distributed, restart_warm_start, warm
+from air_magic import distributed, restart_warm_start
+from air_magic.backends.local import warm
 
 
 def _who_am_i():

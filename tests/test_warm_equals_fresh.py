@@ -18,7 +18,8 @@ import zipfile
 
 import pytest
 
-from air_magic import distributed, restart_warm_start, warm
+from air_magic import distributed, restart_warm_start
+from air_magic.backends.local import warm
 from air_magic.errors import DistributedTimeoutError
 
 MODES = [pytest.param(True, id="warm"), pytest.param(False, id="fresh")]

@@ -7,8 +7,16 @@ import pytest
 pytest.importorskip("ipywidgets")
 from IPython.utils.capture import capture_output
 
-from air_magic.events import RankExited, RankOutput, RankStarted, RankState, RunFinished, RunStarted, Tick
-from air_magic.widget_display import WidgetDisplay
+from air_magic.display.widgets import WidgetDisplay
+from air_magic.protocol.events import (
+    RankExited,
+    RankOutput,
+    RankStarted,
+    RankState,
+    RunFinished,
+    RunStarted,
+    Tick,
+)
 
 
 def test_tabs_follow_the_ranks_and_a_failure_selects_and_marks_its_tab():

@@ -10,7 +10,7 @@ import os
 import pytest
 
 from air_magic import AcceleratorError, distributed
-from air_magic.accelerators import describe, detect_gpus
+from air_magic.launch.accelerators import describe, detect_gpus
 
 GPUS = detect_gpus()
 pytestmark = [
@@ -116,7 +116,7 @@ def test_init_process_group_helper_uses_nccl_on_gpus():
 
 def test_warm_ranks_use_the_gpus_and_the_starter_holds_no_cuda_context():
 
-    from air_magic import warm
+    from air_magic.backends.local import warm
 
     fn = distributed(display="none")(_visible)
     fn.distributed()
@@ -212,7 +212,7 @@ def _check_seed_metrics(world: int) -> None:
     """Every rank's per-step loss of the seed's example is in the call's MLflow run."""
     from mlflow.tracking import MlflowClient
 
-    from air_magic.tracking import embedded_uri
+    from air_magic.tracking.run import embedded_uri
 
     client = MlflowClient(embedded_uri())
     experiments = [e.experiment_id for e in client.search_experiments()]

@@ -17,7 +17,8 @@ import threading
 import time
 
 import air_magic
-from air_magic import distributed, tracking
+from air_magic import distributed
+from air_magic.tracking import run as tracking
 
 
 @distributed(num_accelerators=2, display="none", experiment="early-interrupt", warm_start=False)

@@ -36,15 +36,26 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from air_magic import private_files, rank_entry, serialization, warm, wire
-from air_magic.accelerators import AcceleratorPlan
+from air_magic import private_files
+from air_magic.backends.local import warm
+from air_magic.backends.local.rendezvous import RendezvousStore
+from air_magic.backends.output import OutputRouter, make_log_dir
 from air_magic.errors import DistributedTimeoutError, LaunchError, PayloadError
-from air_magic.events import EventBus, RankExited, RankStarted, RankState, RunFinished, RunStarted, Tick
-from air_magic.failures import RankFailure, build_exception, exit_words
-from air_magic.output import OutputRouter, make_log_dir
+from air_magic.launch.accelerators import AcceleratorPlan
+from air_magic.launch.failures import RankFailure, build_exception, exit_words
+from air_magic.launch.rank_env import rank_environment
 from air_magic.process_tree import DEFAULT_GRACE_S, DescendantTracker, stop_trees
-from air_magic.rank_env import rank_environment
-from air_magic.rendezvous import RendezvousStore
+from air_magic.protocol import serialization, wire
+from air_magic.protocol.events import (
+    EventBus,
+    RankExited,
+    RankStarted,
+    RankState,
+    RunFinished,
+    RunStarted,
+    Tick,
+)
+from air_magic.worker import entry as rank_entry
 
 INTERRUPT_GRACE_S = 1.0
 TICK_S = 0.2  # how often the loop wakes without output, for displays and the deadline

@@ -17,7 +17,7 @@
   ``MLFLOW_RUN_ID``; ``rank_mlflow`` keeps a rank from ending or renaming the
   shared run, and makes a run a rank starts for itself a child of it.
 - **Metrics** a rank logs with ``mlflow.log_metric``/``log_metrics`` go through
-  a file to this process's :class:`~air_magic.metric_writer.MetricWriter`, which
+  a file to this process's :class:`~air_magic.tracking.metric_writer.MetricWriter`, which
   writes them in batches (``AIR_MAGIC_METRICS=direct``: MLflow's own path).
 - **Recorded:** launch parameters, the function's or cell's source, every
   rank's log, the outcome; status FINISHED, FAILED (rank failure, timeout) or
@@ -65,12 +65,13 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
-from air_magic import private_files, wire
+from air_magic import private_files
 from air_magic._version import __version__
-from air_magic.accelerators import AcceleratorPlan
-from air_magic.events import Event, RunFinished, RunStarted
-from air_magic.metric_writer import MetricWriter
-from air_magic.rank_metrics import ENV_SHARED
+from air_magic.launch.accelerators import AcceleratorPlan
+from air_magic.protocol import wire
+from air_magic.protocol.events import Event, RunFinished, RunStarted
+from air_magic.tracking.metric_writer import MetricWriter
+from air_magic.worker.metrics import ENV_SHARED
 
 _STATUS = {
     "succeeded": "FINISHED",
@@ -437,7 +438,7 @@ def _describe_call(tracked: TrackedRun, call: CallFacts) -> None:
     if os.environ.get(wire.ENV_METRICS_MODE, "batched") != "direct":
         metrics = MetricWriter(client, run_id, private_files.private_tempdir("metrics"))  # 0700
         env[wire.ENV_METRICS_DIR] = metrics.directory
-    from air_magic import mlflow_ui
+    from air_magic.tracking import ui as mlflow_ui
 
     tracked.url = mlflow_ui.run_url(uri, experiment_id, run_id)
     tracked.env = env
@@ -557,7 +558,7 @@ def _unreachable(uri: str, seconds: float) -> str | None:
 
 def _say_untracked(uri: str, why: str, log_root: str | None) -> None:
     """One loud line: the call goes on, but MLflow will not have it."""
-    from air_magic.output import default_log_root
+    from air_magic.backends.output import default_log_root
 
     print(
         f"air_magic: WARNING: the MLflow tracking server {uri} {why}: this call runs UNTRACKED "

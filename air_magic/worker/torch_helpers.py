@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from air_magic import wire
+from air_magic.protocol import wire
 
 
 def init_process_group(backend: str | None = None, **kwargs: Any) -> Any:

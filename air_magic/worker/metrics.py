@@ -7,7 +7,7 @@ import hook) wraps both functions: a metric for the call's shared run is
 validated exactly as MLflow validates it, stamped with the caller's step and
 the time of the call, and appended as one line to
 ``<AIR_MAGIC_METRICS_DIR>/rank-<RANK>.tsv`` with a single ``write(2)``. The
-caller's :class:`~air_magic.metric_writer.MetricWriter` is the one process
+caller's :class:`~air_magic.tracking.metric_writer.MetricWriter` is the one process
 that writes those lines into the store, in batches (see metric_writer.py for
 why a single writer).
 
@@ -28,7 +28,7 @@ import time
 from types import ModuleType
 from typing import Any
 
-from air_magic import wire
+from air_magic.protocol import wire
 
 ENV_SHARED = "AIR_MAGIC_MLFLOW_RUN_ID"  # the call's run; also read by rank_mlflow
 

@@ -9,7 +9,7 @@ them and hands each chunk to :class:`OutputRouter`, which
    lines at a time (a partial line waits for its newline), so a stdout line
    and a stderr line never end up glued together; their relative order is
    the order the launcher read them, which two pipes cannot make exact;
-2. emits a :class:`~air_magic.events.RankOutput` event with the decoded text;
+2. emits a :class:`~air_magic.protocol.events.RankOutput` event with the decoded text;
 3. keeps the last lines of each rank for timeout and failure messages.
 
 Log directories default to ``$XDG_STATE_HOME/air_magic/runs`` (usually
@@ -26,9 +26,10 @@ import collections
 import os
 import shutil
 
-from air_magic import private_files, wire
+from air_magic import private_files
 from air_magic.errors import ConfigurationError
-from air_magic.events import EventBus, RankOutput
+from air_magic.protocol import wire
+from air_magic.protocol.events import EventBus, RankOutput
 
 KEEP_RUNS = 100
 TAIL_LINES = 20

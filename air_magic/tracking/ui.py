@@ -3,7 +3,7 @@
 With an HTTP tracking URI the link points at that server. With a local store
 (the embedded sqlite one) there is no page to link to until
 ``%distributed mlflow-ui`` (or :func:`start_ui`) starts ``mlflow server`` on
-127.0.0.1 on a free port, in the background, under ``air_magic.guard`` so it
+127.0.0.1 on a free port, in the background, under ``air_magic.tracking.guard`` so it
 stops when this process ends; from then on runs link to it. The server runs
 with umask 077 and logs to a 0600 ``ui.log``: what it writes beside the
 embedded store is private like the store (docs/security.md).
@@ -38,7 +38,7 @@ def start_ui(uri: str, timeout_s: float = 90.0) -> str:
         return _servers[uri]
     if uri.startswith(("http://", "https://")):
         return uri.rstrip("/")
-    from air_magic.tracking import embedded_dir
+    from air_magic.tracking.run import embedded_dir
 
     folder = private_files.private_root(
         embedded_dir(),
@@ -62,7 +62,7 @@ def start_ui(uri: str, timeout_s: float = 90.0) -> str:
     try:
         with open(log_path, "ab", opener=private_files.opener) as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "air_magic.guard", str(lifeline), "--", *command],
+                [sys.executable, "-m", "air_magic.tracking.guard", str(lifeline), "--", *command],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=log,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from typing import TextIO
 
-from air_magic.events import Event, RankExited, RankOutput, RankState, RunFinished, RunStarted
+from air_magic.protocol.events import Event, RankExited, RankOutput, RankState, RunFinished, RunStarted
 
 _MAX_PARTIAL = 64 * 1024
 

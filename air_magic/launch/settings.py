@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from air_magic.accelerators import AcceleratorSpec, AcceleratorType, parse_accelerator_type
 from air_magic.errors import ConfigurationError
+from air_magic.launch.accelerators import AcceleratorSpec, AcceleratorType, parse_accelerator_type
 from air_magic.user_warnings import warn_at_user_line
 
 DEFAULT_TIMEOUT = 10800.0  # the seed's 3 hours
@@ -107,7 +107,7 @@ def _translate_legacy(given: dict[str, Any]) -> dict[str, Any]:
     if accel is not None and not isinstance(accel, AcceleratorType):
         spec = _check_type(accel)
         if spec is not None and spec.legacy:
-            from air_magic.accelerators import LEGACY_TYPES
+            from air_magic.launch.accelerators import LEGACY_TYPES
 
             replacements.append(f"{str(accel)!r} -> {LEGACY_TYPES[str(accel).strip().lower()]!r}")
     if replacements:

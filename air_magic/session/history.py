@@ -10,7 +10,7 @@ import collections
 from dataclasses import dataclass, field
 from typing import Any
 
-from air_magic.events import Event, RankExited, RunFinished, RunStarted
+from air_magic.protocol.events import Event, RankExited, RunFinished, RunStarted
 
 KEEP = 50
 

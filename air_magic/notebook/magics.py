@@ -2,14 +2,14 @@
 
 Loaded with ``%load_ext air_magic`` (see ``load_ipython_extension`` in the
 package). The cell magic turns the cell into a call of
-:func:`air_magic.cell_runner.run_cell` and launches it like the decorator does:
+:func:`air_magic.worker.cell_runner.run_cell` and launches it like the decorator does:
 
 1. IPython's own transforms make the cell Python; line magics and shell
    escapes cannot run in a rank, so they are refused before launch, by line;
 2. the cell is compiled as the rank will compile it
-   (:func:`air_magic.cell_runner.compile_cell`): a top-level ``return``,
+   (:func:`air_magic.worker.cell_runner.compile_cell`): a top-level ``return``,
    ``yield``, ``await`` or ``nonlocal`` is a SyntaxError here, nothing launched;
-3. :mod:`air_magic.cell_analysis` finds the names the cell reads, updates or
+3. :mod:`air_magic.notebook.cell_analysis` finds the names the cell reads, updates or
    deletes; those the notebook defines are sent (modules are re-imported by
    name in the rank); one that cannot be pickled fails before launch, named;
 4. after success, rank 0's versions come back: the names the cell assigned,
@@ -30,13 +30,15 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from air_magic import cell_runner, history, serialization
-from air_magic.accelerators import describe, detect_gpus
-from air_magic.cell_analysis import names_assigned, names_deleted, names_read, star_imports
+from air_magic.backends.output import default_log_root
 from air_magic.decorator import launch
 from air_magic.errors import ConfigurationError, PayloadError
-from air_magic.output import default_log_root
-from air_magic.settings import DISPLAY_MODES, make_settings
+from air_magic.launch.accelerators import describe, detect_gpus
+from air_magic.launch.settings import DISPLAY_MODES, make_settings
+from air_magic.notebook.cell_analysis import names_assigned, names_deleted, names_read, star_imports
+from air_magic.protocol import serialization
+from air_magic.session import history
+from air_magic.worker import cell_runner
 
 
 @magics_class
@@ -121,7 +123,7 @@ class DistributedMagics(Magics):
             print(f"log folder: {default_log_root()}")
             return None
         if command == "restart":
-            from air_magic import warm
+            from air_magic.backends.local import warm
 
             warm.restart()
             print("air_magic: the warm starter was stopped; the next call starts a fresh one")
@@ -310,7 +312,8 @@ def _delete_what_the_cell_deleted(shell: Any, missing: list[str], deleted: set[s
 
 
 def _mlflow_ui() -> Any:
-    from air_magic import mlflow_ui, tracking
+    from air_magic.tracking import run as tracking
+    from air_magic.tracking import ui as mlflow_ui
 
     # Imported on a helper thread: a Ctrl-C here must not leave a half-imported mlflow behind.
     if tracking.import_mlflow() is None:

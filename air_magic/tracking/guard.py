@@ -1,6 +1,6 @@
 """Runs a helper program (the MLflow UI server) that dies with the process that started it.
 
-    python -m air_magic.guard LIFELINE_FD -- PROGRAM [ARGS...]
+    python -m air_magic.tracking.guard LIFELINE_FD -- PROGRAM [ARGS...]
 
 The starter keeps the write end of a pipe open for its lifetime; this guard
 starts PROGRAM in its own process group and, when the pipe reports EOF (the
@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 
-from air_magic.wire import wait_for_eof
+from air_magic.protocol.wire import wait_for_eof
 
 
 def main(argv: list[str]) -> int:

@@ -31,13 +31,14 @@ import time
 import traceback
 from typing import Any, NoReturn
 
-from air_magic import rank_mlflow, serialization, wire
+from air_magic.protocol import serialization, wire
+from air_magic.worker import mlflow_hook as rank_mlflow
 
 # The launcher passes this to ``python -c``; argv[1] is the run directory.
 # Only enough to find air_magic on the caller's sys.path; run_from_launch_file does the rest.
 BOOTSTRAP = (
     "import json,sys;d=sys.argv[1];sys.path[:]=json.load(open(d+'/launch.json'))['sys_path'];"
-    "from air_magic.rank_entry import run_from_launch_file;run_from_launch_file(d)"
+    "from air_magic.worker.entry import run_from_launch_file;run_from_launch_file(d)"
 )
 
 
@@ -138,7 +139,7 @@ def _report(run_dir: str, rank: int, stage: str, exc: BaseException) -> None:
     sys.stderr.write(text)
 
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # air_magic/
 
 
 def _is_ours(filename: str) -> bool:
@@ -196,7 +197,7 @@ def _exit(code: int) -> NoReturn:
     Why not ``os._exit`` (faster): it drops a checkpoint thread's work, the user's
     atexit hooks and unflushed files. A fresh rank ends with the interpreter's own
     shutdown; a forked rank catches this ``SystemExit`` in the starter's code and
-    ends through :func:`air_magic.rank_exit.end_forked_rank` (same steps, faster).
+    ends through :func:`air_magic.worker.shutdown.end_forked_rank` (same steps, faster).
     """
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -1,7 +1,7 @@
 """Live per-rank tabs in a notebook: one ipywidgets tab per rank under a status header.
 
 A consumer of launch events, like the text display; it never drives
-processes. Rank output goes into a :class:`~air_magic.screen.RankScreen`
+processes. Rank output goes into a :class:`~air_magic.display.screen.RankScreen`
 (carriage returns redraw, capped tail) and reaches the browser at most every
 :data:`FLUSH_S` seconds per rank, as one replacement of the tab's outputs:
 appending line by line to an ``Output`` widget grows quadratically (2 000
@@ -17,7 +17,8 @@ import sys
 import time
 from typing import Any
 
-from air_magic.events import (
+from air_magic.display.screen import RankScreen
+from air_magic.protocol.events import (
     Event,
     RankExited,
     RankOutput,
@@ -27,7 +28,6 @@ from air_magic.events import (
     RunStarted,
     Tick,
 )
-from air_magic.screen import RankScreen
 
 FLUSH_S = 0.25
 
@@ -195,7 +195,7 @@ def _run_id(tracking: str) -> str:
 
 def make_consumers(display: str) -> list[Any]:
     """The display consumers for a display mode: 'auto', 'tabs', 'text', 'rank0' or 'none'."""
-    from air_magic.text_display import TextDisplay
+    from air_magic.display.text import TextDisplay
 
     if display == "none":
         return []

@@ -47,7 +47,7 @@ from air_magic.errors import ConfigurationError
 
 _BOOTSTRAP = (
     "import json,sys;sys.path[:]=json.loads(sys.argv[3]);"
-    "from air_magic.starter_main import main;main(int(sys.argv[1]),json.loads(sys.argv[2]))"
+    "from air_magic.backends.local.starter_main import main;main(int(sys.argv[1]),json.loads(sys.argv[2]))"
 )
 _lock = threading.Lock()
 _starter: Starter | None = None
@@ -316,7 +316,7 @@ def starting() -> Starter | None:
 
 
 def _starter_log(log_root: str | None) -> str:
-    from air_magic.output import default_log_root
+    from air_magic.backends.output import default_log_root
 
     root = log_root or default_log_root()
     os.makedirs(root, mode=0o700, exist_ok=True)

@@ -25,7 +25,7 @@ import types
 from dataclasses import dataclass, field
 from typing import Any
 
-from air_magic import serialization
+from air_magic.protocol import serialization
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The warm starter process: imports torch once, then forks clean ranks on request.
 
-Started by :mod:`air_magic.warm` as ``python -c ... <control fd> <preload json>``.
+Started by :mod:`air_magic.backends.local.warm` as ``python -c ... <control fd> <preload json>``.
 It imports the preload list (torch by default) and **never initialises CUDA**,
 so a forked rank is as clean as a fresh process, minus the import time. It
 talks to its caller over one AF_UNIX SOCK_SEQPACKET socket:
@@ -16,7 +16,7 @@ A forked rank becomes a session leader, takes its pipes as stdout/stderr and
 the caller's environment, working folder and umask, is given what a fresh
 interpreter would have of its own (see :func:`_fresh_state`: random seeds, the
 SIGINT handler, import caches), and runs
-:func:`air_magic.rank_entry.run_from_launch_file`. It ends the way a Python
+:func:`air_magic.worker.entry.run_from_launch_file`. It ends the way a Python
 process ends (threads joined, ``atexit`` run, files flushed): see rank_exit.py.
 
 The starter's own environment holds the start-up variables of the calls it
@@ -46,8 +46,8 @@ def main(control_fd: int, preload: list[str]) -> None:
     sock = socket.socket(fileno=control_fd)
     # Before the preload: a rank's own exit hook must run after every atexit hook that
     # torch (or the rank's code) registers, as it does in a fresh rank (atexit is LIFO).
-    from air_magic import rank_exit  # noqa: F401 - preloaded: a rank's exit must not clear it
-    from air_magic.rank_entry import install_exit_hook
+    from air_magic.worker import shutdown  # noqa: F401 - preloaded: a rank's exit must not clear it
+    from air_magic.worker.entry import install_exit_hook
 
     install_exit_hook()
     loaded, failed = [], {}
@@ -149,8 +149,8 @@ def _become_rank(
             sys.stderr.flush()
         finally:
             os._exit(1)
-    from air_magic.rank_entry import run_from_launch_file
-    from air_magic.rank_exit import end_forked_rank
+    from air_magic.worker.entry import run_from_launch_file
+    from air_magic.worker.shutdown import end_forked_rank
 
     try:
         run_from_launch_file(request["run_dir"])

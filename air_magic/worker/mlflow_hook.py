@@ -40,8 +40,8 @@ from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
-from air_magic import rank_metrics
-from air_magic.rank_metrics import ENV_SHARED
+from air_magic.worker import metrics as rank_metrics
+from air_magic.worker.metrics import ENV_SHARED
 
 
 def install() -> None:

@@ -13,9 +13,9 @@ import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from air_magic import serialization
 from air_magic.errors import RankFailedError, RemoteTraceback, add_note
-from air_magic.wire import ErrorRecord
+from air_magic.protocol import serialization
+from air_magic.protocol.wire import ErrorRecord
 
 # What a signal death most likely means, for the message.
 _SIGNAL_HINTS = {

@@ -11,9 +11,9 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from air_magic import wire
-from air_magic.accelerators import AcceleratorPlan
-from air_magic.rendezvous import LOOPBACK
+from air_magic.backends.local.rendezvous import LOOPBACK
+from air_magic.launch.accelerators import AcceleratorPlan
+from air_magic.protocol import wire
 
 
 def rank_environment(

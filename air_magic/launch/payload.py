@@ -28,7 +28,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from air_magic.errors import PayloadError
-from air_magic.serialization import describe_type, dumps, find_unpicklable, modules_by_value, parts_of
+from air_magic.protocol.serialization import (
+    describe_type,
+    dumps,
+    find_unpicklable,
+    modules_by_value,
+    parts_of,
+)
 
 
 def build_payload(fn: Callable[..., Any], bound: inspect.BoundArguments, max_bytes: int) -> bytes:

@@ -1,0 +1,1 @@
+"""The IPython surface: ``%%distributed`` / ``%distributed`` and the cell analysis behind them."""
