@@ -15,7 +15,6 @@ ipywidgets (rank processes import it too).
 """
 
 from air_magic._version import __version__
-from air_magic.backends.local.warm import restart as restart_warm_start
 from air_magic.decorator import DistributedFunction, distributed
 from air_magic.errors import (
     AcceleratorError,
@@ -29,17 +28,18 @@ from air_magic.errors import (
     RemoteTraceback,
 )
 from air_magic.launch.accelerators import AcceleratorType
+from air_magic.session.call import restart_warm_start
 from air_magic.session.history import RunInfo, last_run
 from air_magic.worker.torch_helpers import init_process_group
 
 
 def load_ipython_extension(ipython: object) -> None:
     """``%load_ext air_magic``: register ``%%distributed`` and ``%distributed``."""
-    from air_magic.backends.local import warm
     from air_magic.notebook.magics import load
+    from air_magic.session.call import prestart_local
 
     load(ipython)
-    warm.prestart()  # torch is imported once, in the background, before the first cell needs it
+    prestart_local()  # torch is imported once, in the background, before the first cell needs it
 
 
 def unload_ipython_extension(ipython: object) -> None:

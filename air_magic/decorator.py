@@ -1,32 +1,24 @@
-"""The ``@distributed`` decorator: the seed-compatible surface over the launcher.
+"""The ``@distributed`` decorator: the seed-compatible surface over the call layer.
 
 ``@distributed`` / ``@distributed(...)`` wrap a function in a
 :class:`DistributedFunction`. ``fn.distributed(*args, **kwargs)`` binds the
 arguments against the signature, plans the accelerators, pickles the payload
-once, and hands a :class:`~air_magic.backends.local.backend.LaunchRequest` to the launcher;
-it returns every rank's return value in rank order or raises the first
-failing rank's error.
+once (``session/call.py`` does that and picks the backend), and returns every
+rank's return value in rank order or raises the first failing rank's error.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-import os
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar, overload
 
-from air_magic.backends.local import warm
-from air_magic.backends.local.backend import LaunchRequest, LocalLauncher, RunResult
-from air_magic.display.widgets import make_consumers
-from air_magic.errors import ConfigurationError, DirectCallError
-from air_magic.launch.accelerators import AcceleratorType, plan_accelerators
-from air_magic.launch.payload import build_payload, remember_module_file
+from air_magic.errors import DirectCallError
+from air_magic.launch.accelerators import AcceleratorType
+from air_magic.launch.payload import remember_module_file
 from air_magic.launch.settings import _UNSET, LaunchSettings, make_settings
-from air_magic.protocol import wire
-from air_magic.protocol.events import Consumer, EventBus
-from air_magic.session.history import RunHistory
-from air_magic.tracking import run as tracking
+from air_magic.session.call import run_call
 
 R = TypeVar("R")
 
@@ -72,86 +64,7 @@ class DistributedFunction(Generic[R]):
         """Run the function on every rank with these arguments; return each rank's result in rank order."""
         bound = self._signature.bind(*args, **kwargs)  # a wrong call fails here, before anything starts
         name = getattr(self.func, "__qualname__", "function")
-        return launch(name, self.func, bound, self.settings).unwrap()
-
-
-def launch(
-    name: str,
-    func: Callable[..., Any],
-    bound: inspect.BoundArguments,
-    settings: LaunchSettings,
-    *,
-    kind: str = "function",
-    source: str | None = None,
-) -> RunResult:
-    """Plan, pack, track and run one call; shared by the decorator and the cell magic."""
-    inside = os.environ.get(wire.ENV_RUN_ID)
-    if inside:
-        raise ConfigurationError(
-            f"{name}.distributed() was called inside rank {os.environ.get('RANK', '?')} of run {inside}: "
-            "a rank cannot start ranks of its own. Call the function directly there (fn.func(...))."
-        )
-    if settings.warm_start:
-        # First: it imports torch while this process does its own imports. The call's env=
-        # may hold start-up variables (PYTHONHASHSEED...), which the starter must start with.
-        warm.prestart(settings.log_dir, settings.env)
-    plan = plan_accelerators(settings.num_accelerators, settings.accelerator_type)
-    payload = build_payload(func, bound, settings.max_payload_bytes)
-    run_start = None
-    if settings.tracking:
-        call = tracking.CallFacts(
-            name=name,
-            kind=kind,
-            source=source if source is not None else _source_of(func),
-            plan=plan,
-            timeout=settings.timeout,
-            accelerator_type=settings.accelerator_type.name if settings.accelerator_type else None,
-            experiment=settings.experiment,
-            run_name=settings.run_name,
-        )
-        run_start = tracking.RunStart(call, log_root=settings.log_dir)
-    outcome = "interrupted"
-    # The run is made inside the try: an interrupt at any moment from here on (even while
-    # the run is being created, on RunStart's thread) ends it KILLED rather than leaving it RUNNING.
-    try:
-        tracked = run_start.wait() if run_start is not None else None
-        request = LaunchRequest(
-            name=name,
-            payload=payload,
-            plan=plan,
-            timeout=settings.timeout,
-            env={**(tracked.env if tracked else {}), **settings.env},
-            log_root=settings.log_dir,
-            warm=settings.warm_start,
-            tracking=tracked.describe() if tracked else None,
-            tracking_url=tracked.url if tracked else None,
-            mlflow_run_id=tracked.run_id if tracked else None,
-        )
-        consumers = _consumers(settings)
-        if tracked is not None:
-            consumers.append(tracked)
-        result = LocalLauncher().run(request, EventBus(consumers))
-        outcome = result.outcome
-        return result
-    except KeyboardInterrupt:
-        raise
-    except BaseException:
-        outcome = "failed"
-        raise
-    finally:
-        if run_start is not None:
-            run_start.end(outcome)
-
-
-def _source_of(func: Callable[..., Any]) -> str | None:
-    try:
-        return inspect.getsource(func)
-    except (OSError, TypeError):
-        return None
-
-
-def _consumers(settings: LaunchSettings) -> list[Consumer]:
-    return [RunHistory(), *make_consumers(settings.display)]
+        return run_call(name, self.func, bound, self.settings).unwrap()
 
 
 @overload

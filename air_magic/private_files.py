@@ -44,9 +44,10 @@ import urllib.parse
 from collections.abc import Iterable
 from typing import Any
 
+from air_magic import paths
 from air_magic.errors import ConfigurationError
 
-TEMP_PREFIX = "air_magic-"
+TEMP_PREFIX = paths.TEMP_PREFIX
 # mkdtemp's random part is [a-z0-9_]: the owner, after the last '.', cannot be mistaken for it.
 _OWNED_NAME = re.compile(r"^air_magic-.*\.(?P<pid>\d+)-(?P<start>\d+)-(?P<space>[0-9a-f]{8})$")
 

@@ -131,7 +131,6 @@ def run_mode(case: str, mode: str, ranks: int | None, count: int) -> dict[str, A
     from mlflow.tracking import MlflowClient
 
     from air_magic import distributed, last_run
-    from air_magic.tracking import run as tracking
 
     if mode in ("direct", "rank-batch"):
         os.environ["AIR_MAGIC_METRICS"] = "direct"
@@ -143,7 +142,9 @@ def run_mode(case: str, mode: str, ranks: int | None, count: int) -> dict[str, A
     wall = time.perf_counter() - start
     info = last_run()
     assert info is not None and info.mlflow_run_id
-    client = MlflowClient(tracking.embedded_uri())
+    from air_magic import paths
+
+    client = MlflowClient(paths.embedded_mlflow_uri())
     world = len(inside)
     if case == "flood":
         rows = sum(len(client.get_metric_history(info.mlflow_run_id, f"rank{r}")) for r in range(world))

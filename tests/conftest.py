@@ -121,8 +121,6 @@ def store(tmp_path, monkeypatch):
     from mlflow.tracking import MlflowClient
     from mlflow.tracking._tracking_service import utils as tracking_utils
 
-    from air_magic.tracking import run as tracking
-
     monkeypatch.chdir(tmp_path)  # MLflow's own defaults (./mlruns) must not land in the repository
     monkeypatch.setenv("AIR_MAGIC_MLFLOW_DIR", str(tmp_path / "mlflow"))
     for name in (
@@ -138,7 +136,9 @@ def store(tmp_path, monkeypatch):
         monkeypatch.delenv(name)
     monkeypatch.setattr(tracking_utils, "_tracking_uri", None)
     monkeypatch.setattr(mlflow.tracking.fluent, "_active_experiment_id", None)
-    yield MlflowClient(tracking.embedded_uri())
+    from air_magic import paths
+
+    yield MlflowClient(paths.embedded_mlflow_uri())
     while mlflow.active_run():
         mlflow.end_run()
 
@@ -147,7 +147,7 @@ def mlflow_status(info) -> str:
     """The MLflow status of a run's call, read back from the session's embedded store."""
     from mlflow.tracking import MlflowClient
 
-    from air_magic.tracking.run import embedded_uri
+    from air_magic.paths import embedded_mlflow_uri as embedded_uri
 
     assert info is not None and info.mlflow_run_id, "the call was not tracked"
     return MlflowClient(embedded_uri()).get_run(info.mlflow_run_id).info.status

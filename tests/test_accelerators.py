@@ -102,14 +102,15 @@ def test_cuda_visible_devices_by_index_and_uuid():
 def test_ranks_get_gpu_indices_in_pci_order_and_mig_uuids():
     """Indices, not UUIDs: DeepSpeed parses CUDA_VISIBLE_DEVICES as integers (found on 2xH200)."""
     from air_magic.launch.accelerators import AcceleratorPlan
-    from air_magic.launch.rank_env import rank_environment
+    from air_magic.launch.rank_env import RankPlace, rank_environment
 
     def env_for(gpus):
         plan = AcceleratorPlan(world_size=len(gpus), gpus=tuple(gpus), detected="test")
         return rank_environment(
-            rank=0,
+            place=RankPlace.on_one_node(0, len(gpus)),
             plan=plan,
-            port=1,
+            master_addr="127.0.0.1",
+            master_port=1,
             run_id="r",
             run_dir="/d",
             log_dir="/l",

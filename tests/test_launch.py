@@ -301,8 +301,9 @@ def test_cpu_mode_is_said_once_per_process(monkeypatch, capsys):
 
 
 def test_a_broken_display_never_breaks_the_run(capsys):
-    from air_magic.backends.local.backend import LaunchRequest, LocalLauncher
+    from air_magic.backends.local.backend import LocalBackend
     from air_magic.launch.accelerators import plan_accelerators
+    from air_magic.launch.request import LaunchRequest
     from air_magic.protocol.events import EventBus, RankOutput
     from air_magic.protocol.serialization import dumps
     from air_magic.session.history import RunHistory
@@ -316,7 +317,7 @@ def test_a_broken_display_never_breaks_the_run(capsys):
     request = LaunchRequest(
         name="chatty", payload=dumps((_chatty, (10,), {}, {})), plan=plan_accelerators(2, None), timeout=60
     )
-    result = LocalLauncher().run(request, EventBus([Broken(), history]))
+    result = LocalBackend().run(request, EventBus([Broken(), history]))
     assert result.unwrap() == ["0", "1"]
     assert "output consumer Broken failed and was detached" in capsys.readouterr().err
     assert air_magic.last_run().outcome == "succeeded"

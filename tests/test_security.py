@@ -15,7 +15,7 @@ import time
 import pytest
 
 import air_magic
-from air_magic import distributed
+from air_magic import distributed, paths
 from air_magic.backends.local import warm
 from air_magic.errors import ConfigurationError
 from air_magic.protocol import wire
@@ -87,7 +87,7 @@ def test_log_and_mlflow_folders_are_private():
     assert stat.S_IMODE(os.stat(info.log_dir).st_mode) == 0o700
     for rank in (0, 1):
         assert stat.S_IMODE(os.stat(info.log_path(rank)).st_mode) == 0o600
-    from air_magic.tracking.run import embedded_dir
+    from air_magic.paths import embedded_mlflow_dir as embedded_dir
 
     assert stat.S_IMODE(os.stat(embedded_dir()).st_mode) == 0o700
 
@@ -233,7 +233,7 @@ def test_an_embedded_store_folder_of_another_user_is_refused_before_launch(store
 def test_the_embedded_store_and_the_starter_log_are_0600_files_in_0700_folders(store, tmp_path, monkeypatch):
     monkeypatch.setenv("AIR_MAGIC_MLFLOW_DIR", str(tmp_path / "fresh"))  # a store MLflow has not opened yet
     distributed(num_accelerators=2, display="none")(_quiet).distributed()  # logs, source, metrics
-    from air_magic.tracking.run import embedded_dir
+    from air_magic.paths import embedded_mlflow_dir as embedded_dir
 
     assert os.path.exists(os.path.join(embedded_dir(), "mlflow.db"))
     assert any("rank-0.log" in files for _d, _s, files in os.walk(embedded_dir()))  # the copies
@@ -245,13 +245,12 @@ def test_the_embedded_store_and_the_starter_log_are_0600_files_in_0700_folders(s
 
 
 def test_the_ui_server_log_and_everything_it_writes_are_private(store, tmp_path, monkeypatch):
-    from air_magic.tracking import run as tracking
     from air_magic.tracking import ui as mlflow_ui
 
     monkeypatch.setenv("AIR_MAGIC_MLFLOW_DIR", str(tmp_path / "fresh"))  # a store MLflow has not opened yet
 
     try:
-        base = mlflow_ui.start_ui(tracking.embedded_uri())
+        base = mlflow_ui.start_ui(paths.embedded_mlflow_uri())
         distributed(num_accelerators=2, display="none")(_quiet).distributed()
         import urllib.request
 
@@ -259,8 +258,8 @@ def test_the_ui_server_log_and_everything_it_writes_are_private(store, tmp_path,
             assert reply.status == 200
     finally:
         mlflow_ui.stop_ui()
-    assert os.path.exists(os.path.join(tracking.embedded_dir(), "ui.log"))
-    assert _modes_under(tracking.embedded_dir()) == []
+    assert os.path.exists(os.path.join(paths.embedded_mlflow_dir(), "ui.log"))
+    assert _modes_under(paths.embedded_mlflow_dir()) == []
 
 
 TRACKED_CALLER = os.path.join(os.path.dirname(__file__), "helpers", "tracked_caller.py")
@@ -342,10 +341,11 @@ def _gpu_plan():
 
 
 def _env_of_rank(plan, base, extra=None):
-    from air_magic.launch.rank_env import rank_environment
+    from air_magic.launch.rank_env import RankPlace, rank_environment
 
     return rank_environment(
-        rank=0, plan=plan, port=12345, run_id="r", run_dir="/x", log_dir="/y",
+        place=RankPlace.on_one_node(0, plan.world_size), plan=plan, master_addr="127.0.0.1",
+        master_port=12345, run_id="r", run_dir="/x", log_dir="/y",
         lifeline_fd=3, extra=extra or {}, base=base,
     )  # fmt: skip
 

@@ -20,7 +20,7 @@ from conftest import interrupt_tracked_caller  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
 import air_magic  # noqa: E402
-from air_magic import distributed  # noqa: E402
+from air_magic import distributed, paths  # noqa: E402
 from air_magic.tracking import run as tracking  # noqa: E402
 from air_magic.tracking import ui as mlflow_ui  # noqa: E402
 
@@ -159,7 +159,7 @@ def test_without_mlflow_installed_calls_run_untracked_with_one_note(tmp_path):
 
 def test_a_started_ui_serves_the_embedded_store_and_works_as_an_http_tracking_server(store, monkeypatch):
     try:
-        base = mlflow_ui.start_ui(tracking.embedded_uri())  # a real `mlflow server` on 127.0.0.1
+        base = mlflow_ui.start_ui(paths.embedded_mlflow_uri())  # a real `mlflow server` on 127.0.0.1
         assert base.startswith("http://127.0.0.1:")
         # 1. The embedded store: once the UI runs, a call's link points at it, and it opens.
         distributed(num_accelerators=2, display="none")(_quiet).distributed()

@@ -49,9 +49,10 @@ def _run_helper(script: str, *args: str, timeout: float = 180) -> dict:
 
 
 def _statuses(experiment: str) -> list[str]:
-    from air_magic.tracking import run as tracking
 
-    client = MlflowClient(tracking.embedded_uri())
+    from air_magic import paths
+
+    client = MlflowClient(paths.embedded_mlflow_uri())
     found = client.get_experiment_by_name(experiment)
     assert found is not None
     return [r.info.status for r in client.search_runs([found.experiment_id])]

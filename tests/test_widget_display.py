@@ -13,6 +13,7 @@ from air_magic.protocol.events import (
     RankOutput,
     RankStarted,
     RankState,
+    RecordLink,
     RunFinished,
     RunStarted,
     Tick,
@@ -20,11 +21,10 @@ from air_magic.protocol.events import (
 
 
 def test_tabs_follow_the_ranks_and_a_failure_selects_and_marks_its_tab():
-    display = WidgetDisplay()
+    display = WidgetDisplay(record=RecordLink("abc", "MLflow run abc in experiment 1: sqlite:///x"))
     with capture_output():
         started = RunStarted(
             "run-1", 3, "gloo", "no NVIDIA GPU (CPU mode)", True, "/logs/run-1", "train",
-            tracking="MLflow run abc in experiment 1: sqlite:///x",
         )  # fmt: skip
         display.handle(started)
     for rank in range(3):

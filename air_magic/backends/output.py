@@ -26,9 +26,8 @@ import collections
 import os
 import shutil
 
-from air_magic import private_files
+from air_magic import paths, private_files
 from air_magic.errors import ConfigurationError
-from air_magic.protocol import wire
 from air_magic.protocol.events import EventBus, RankOutput
 
 KEEP_RUNS = 100
@@ -36,16 +35,12 @@ TAIL_LINES = 20
 _MAX_PARTIAL = 64 * 1024  # a line longer than this is cut for the tail, not for the log
 
 
-def default_log_root() -> str:
-    return os.environ.get("AIR_MAGIC_LOG_DIR") or wire.state_dir("runs")
-
-
 _LOG_ROOT_FIX = "Pass log_dir= (or set AIR_MAGIC_LOG_DIR) to a folder only you can write"
 
 
 def make_log_dir(root: str | None, run_id: str) -> str:
     """Create the run's private log folder (0700); prune old runs under the default root."""
-    base = root or default_log_root()
+    base = root or paths.default_log_root()
     path = os.path.join(base, run_id)
     try:
         os.makedirs(base, mode=0o700, exist_ok=True)

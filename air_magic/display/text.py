@@ -10,7 +10,15 @@ from __future__ import annotations
 import sys
 from typing import TextIO
 
-from air_magic.protocol.events import Event, RankExited, RankOutput, RankState, RunFinished, RunStarted
+from air_magic.protocol.events import (
+    Event,
+    RankExited,
+    RankOutput,
+    RankState,
+    RecordLink,
+    RunFinished,
+    RunStarted,
+)
 
 _MAX_PARTIAL = 64 * 1024
 
@@ -24,8 +32,10 @@ class TextDisplay:
         err: TextIO | None = None,
         prefix_width: int = 0,
         ranks: set[int] | None = None,
+        record: RecordLink | None = None,
     ):
         self._ranks = ranks  # None: every rank
+        self._record = record
         self._out = out
         self._err = err
         self._partial: dict[tuple[int, str], str] = {}
@@ -64,8 +74,8 @@ class TextDisplay:
         elif not event.cpu_mode:
             where += f" on {event.detected}"
         self._note(f"running {event.name} on {where}")
-        if event.tracking:
-            self._note(event.tracking)
+        if self._record is not None:
+            self._note(self._record.description)
 
     def _output(self, event: RankOutput) -> None:
         if self._ranks is not None and event.rank not in self._ranks:

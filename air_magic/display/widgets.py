@@ -24,6 +24,7 @@ from air_magic.protocol.events import (
     RankOutput,
     RankStarted,
     RankState,
+    RecordLink,
     RunFinished,
     RunStarted,
     Tick,
@@ -61,7 +62,8 @@ def widgets_available() -> bool:
 
 
 class WidgetDisplay:
-    def __init__(self) -> None:
+    def __init__(self, record: RecordLink | None = None) -> None:
+        self._record = record
         self._screens: list[RankScreen] = []
         self._states: list[RankState] = []
         self._reasons: list[str] = []
@@ -172,10 +174,11 @@ class WidgetDisplay:
                 f'<tr><td>rank {r}</td><td style="color:{_COLORS[state]}">{GLYPHS[state]} {state.value}</td>'
                 f"<td>{took}</td><td>{html.escape(self._reasons[r])}</td></tr>"
             )
-        if run.tracking_url:
-            link = f' · <a href="{html.escape(run.tracking_url)}" target="_blank">MLflow run</a>'
-        elif run.tracking:
-            title, short = html.escape(run.tracking), html.escape(_run_id(run.tracking))
+        record = self._record
+        if record is not None and record.url:
+            link = f' · <a href="{html.escape(record.url)}" target="_blank">MLflow run</a>'
+        elif record is not None:
+            title, short = html.escape(record.description), html.escape(record.run_id)
             link = f' · <span title="{title}">MLflow run {short}</span>'
         else:
             link = ""
@@ -187,22 +190,16 @@ class WidgetDisplay:
         )
 
 
-def _run_id(tracking: str) -> str:
-    # "MLflow run <id> in experiment ..." -> "<id>"
-    words = tracking.split()
-    return words[2] if len(words) > 2 else tracking
-
-
-def make_consumers(display: str) -> list[Any]:
+def make_consumers(display: str, record: RecordLink | None = None) -> list[Any]:
     """The display consumers for a display mode: 'auto', 'tabs', 'text', 'rank0' or 'none'."""
     from air_magic.display.text import TextDisplay
 
     if display == "none":
         return []
     if display == "text":
-        return [TextDisplay()]
+        return [TextDisplay(record=record)]
     if display == "rank0":
-        return [TextDisplay(ranks={0})]
+        return [TextDisplay(ranks={0}, record=record)]
     if display == "tabs" or widgets_available():
-        return [WidgetDisplay()]
-    return [TextDisplay()]
+        return [WidgetDisplay(record=record)]
+    return [TextDisplay(record=record)]

@@ -20,6 +20,7 @@ import re
 from dataclasses import dataclass
 
 from air_magic.errors import AcceleratorError, ConfigurationError
+from air_magic.protocol import env_names
 
 
 class AcceleratorType(str, enum.Enum):
@@ -104,7 +105,7 @@ def detect_gpus() -> list[GPU]:
 
     Uses NVML only; returns ``[]`` when there is no driver. Never touches CUDA.
     """
-    if os.environ.get("AIR_MAGIC_FORCE_CPU", "") not in ("", "0"):
+    if os.environ.get(env_names.FORCE_CPU, "") not in ("", "0"):
         return []
     try:
         import pynvml
@@ -233,7 +234,7 @@ def plan_accelerators(
 
 
 def _default_cpu_ranks() -> int:
-    raw = os.environ.get("AIR_MAGIC_CPU_RANKS")
+    raw = os.environ.get(env_names.CPU_RANKS)
     if raw is None:
         return DEFAULT_CPU_RANKS
     try:

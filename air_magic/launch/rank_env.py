@@ -9,40 +9,60 @@ as under torchrun.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
-from air_magic.backends.local.rendezvous import LOOPBACK
-from air_magic.launch.accelerators import AcceleratorPlan
-from air_magic.protocol import wire
+from air_magic.launch.accelerators import GPU, AcceleratorPlan
+from air_magic.protocol import env_names
+
+
+@dataclass(frozen=True)
+class RankPlace:
+    """Where a rank stands: in the whole world, and on its node (torchrun's five numbers)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+
+    @classmethod
+    def on_one_node(cls, rank: int, world_size: int) -> RankPlace:
+        return cls(rank, world_size, local_rank=rank, local_world_size=world_size, node_rank=0)
 
 
 def rank_environment(
     *,
-    rank: int,
+    place: RankPlace,
     plan: AcceleratorPlan,
-    port: int,
+    master_addr: str,
+    master_port: int,
     run_id: str,
     run_dir: str,
     log_dir: str,
     lifeline_fd: int,
     extra: Mapping[str, str],
     base: Mapping[str, str] | None = None,
+    gpus: Sequence[GPU] | None = None,
 ) -> dict[str, str]:
+    """The rank's whole environment. The backend says where the rank stands (``place``), where the
+    rendezvous store listens (``master_addr``/``master_port``; loopback for the local backend) and,
+    on a node of its own, which of the plan's GPUs that node has (``gpus``; default all of them)."""
     env = dict(os.environ if base is None else base)
-    world = plan.world_size
+    world = place.world_size
     env.update(
         {
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
+            "RANK": str(place.rank),
+            "LOCAL_RANK": str(place.local_rank),
             "WORLD_SIZE": str(world),
-            "LOCAL_WORLD_SIZE": str(world),
-            "NODE_RANK": "0",
-            "GROUP_RANK": "0",
-            "ROLE_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(place.local_world_size),
+            "NODE_RANK": str(place.node_rank),
+            "GROUP_RANK": str(place.node_rank),
+            "ROLE_RANK": str(place.rank),
             "ROLE_WORLD_SIZE": str(world),
             "ROLE_NAME": "default",
-            "MASTER_ADDR": LOOPBACK,
-            "MASTER_PORT": str(port),
+            "MASTER_ADDR": master_addr,
+            "MASTER_PORT": str(master_port),
             # The launcher hosts the store (see rendezvous.py); every rank is a client.
             "TORCHELASTIC_USE_AGENT_STORE": "True",
             "TORCHELASTIC_RUN_ID": run_id,
@@ -51,17 +71,17 @@ def rank_environment(
             "PYTHONUNBUFFERED": "1",
             # A failed collective aborts the communicator instead of hanging until the watchdog.
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
-            wire.ENV_RUN_ID: run_id,
-            wire.ENV_RUN_DIR: run_dir,
-            wire.ENV_LOG_DIR: log_dir,
-            wire.ENV_LIFELINE_FD: str(lifeline_fd),
-            wire.ENV_CALLER_PID: str(os.getpid()),
-            wire.ENV_BACKEND: plan.backend,
-            wire.ENV_DEVICE: "cpu" if plan.cpu_mode else "cuda",
+            env_names.RUN_ID: run_id,
+            env_names.RUN_DIR: run_dir,
+            env_names.LOG_DIR: log_dir,
+            env_names.LIFELINE_FD: str(lifeline_fd),
+            env_names.CALLER_PID: str(os.getpid()),
+            env_names.BACKEND: plan.backend,
+            env_names.DEVICE: "cpu" if plan.cpu_mode else "cuda",
         }
     )
-    if "OMP_NUM_THREADS" not in env:
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world))
+    if "OMP_NUM_THREADS" not in env:  # torchrun leaves it at 1; the node's cores shared out is faster
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // place.local_world_size))
     # Sockets of the collectives on loopback: one machine needs no other interface, and a rank
     # listening on eth0 is reachable from the network. gloo serves CPU tensors on GPU runs too
     # (init_process_group() with no backend makes both). The user's own setting wins.
@@ -76,7 +96,8 @@ def rank_environment(
         # them. MIG instances have no index of their own and keep their UUIDs.
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         env["CUDA_VISIBLE_DEVICES"] = ",".join(
-            g.uuid if g.uuid.startswith("MIG-") else str(g.index) for g in plan.gpus
+            g.uuid if g.uuid.startswith("MIG-") else str(g.index)
+            for g in (plan.gpus if gpus is None else gpus)
         )
     env.update(extra)
     return env

@@ -30,13 +30,13 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from air_magic.backends.output import default_log_root
-from air_magic.decorator import launch
+from air_magic import paths
 from air_magic.errors import ConfigurationError, PayloadError
 from air_magic.launch.accelerators import describe, detect_gpus
 from air_magic.launch.settings import DISPLAY_MODES, make_settings
 from air_magic.notebook.cell_analysis import names_assigned, names_deleted, names_read, star_imports
 from air_magic.protocol import serialization
+from air_magic.session import call as session
 from air_magic.session import history
 from air_magic.worker import cell_runner
 
@@ -102,7 +102,9 @@ class DistributedMagics(Magics):
             source, filename, values, modules, pull, watch=watch, star_modules=stars
         )
         name = f"cell [{number}]"
-        outcomes = launch(name, cell_runner.run_cell, bound, settings, kind="cell", source=cell).unwrap()
+        outcomes = session.run_call(
+            name, cell_runner.run_cell, bound, settings, kind="cell", source=cell
+        ).unwrap()
         deleted = set(names_deleted(tree))
         return _bring_back(
             shell, outcomes, _ends_with_expression(tree), imported=set(_imported(tree)), deleted=deleted
@@ -120,12 +122,10 @@ class DistributedMagics(Magics):
         if command == "settings":
             gpus = detect_gpus()
             print(f"accelerators: {describe(gpus)}")
-            print(f"log folder: {default_log_root()}")
+            print(f"log folder: {paths.default_log_root()}")
             return None
         if command == "restart":
-            from air_magic.backends.local import warm
-
-            warm.restart()
+            session.restart_warm_start()
             print("air_magic: the warm starter was stopped; the next call starts a fresh one")
             return None
         if command == "mlflow-ui":

@@ -1,9 +1,13 @@
-"""Events a launch reports, and the bus that hands them to consumers.
+"""Events a backend reports, and the bus that hands them to consumers.
 
-A backend (local processes now; warm start and Ray later) *produces* events;
-consumers (text display, widgets, log files, MLflow) *consume* them and never
-drive processes. A consumer that raises is detached with one warning, so a
-display bug can never hang or break a run.
+A backend (``backends/``) *produces* events; consumers (``display/``,
+``tracking/``, ``session/history.py``) *consume* them and never drive
+processes. A consumer that raises is detached with one warning, so a display
+bug can never hang or break a call.
+
+The call's record (its MLflow run) is not an event: the session learns it from
+tracking before the ranks start and hands it to the displays that show it
+(:class:`RecordLink`), so backends know nothing of MLflow.
 """
 
 from __future__ import annotations
@@ -34,9 +38,6 @@ class RunStarted:
     cpu_mode: bool
     log_dir: str
     name: str
-    tracking: str | None = None  # what and where the MLflow run is, in words
-    tracking_url: str | None = None  # a page for it, when there is one
-    mlflow_run_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,15 @@ class RunFinished:
     log_dir: str
     error: str | None = None
     failed_rank: int | None = None
+
+
+@dataclass(frozen=True)
+class RecordLink:
+    """Where the call is recorded (its MLflow run), as displays show it."""
+
+    run_id: str  # the MLflow run's id
+    description: str  # what and where the run is, in words
+    url: str | None = None  # a page for it, when there is one
 
 
 Event = RunStarted | RankStarted | RankOutput | RankExited | Tick | RunFinished

@@ -13,25 +13,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
 
 LAUNCH_FILE = "launch.json"
 PAYLOAD_FILE = "payload.pkl"
-
-# Environment variables of air_magic's own (the torchrun ones are set too).
-ENV_RUN_DIR = "AIR_MAGIC_RUN_DIR"
-ENV_RUN_ID = "AIR_MAGIC_RUN_ID"
-ENV_LIFELINE_FD = "AIR_MAGIC_LIFELINE_FD"
-ENV_BACKEND = "AIR_MAGIC_BACKEND"
-ENV_DEVICE = "AIR_MAGIC_DEVICE"  # 'cuda' or 'cpu'
-ENV_LOG_DIR = "AIR_MAGIC_LOG_DIR"
-ENV_CALLER_PID = (
-    "AIR_MAGIC_CALLER_PID"  # the process that made the call (a warm rank's parent is the starter)
-)
-# MLflow metrics (rank_metrics.py -> metric_writer.py): where ranks append them, and the switch
-# that restores MLflow's direct path ("direct"; the default is "batched").
-ENV_METRICS_DIR = "AIR_MAGIC_METRICS_DIR"
-ENV_METRICS_MODE = "AIR_MAGIC_METRICS"
 
 
 def metrics_path(metrics_dir: str, rank: int | str) -> str:
@@ -95,16 +79,6 @@ def read_bytes(path: str) -> bytes | None:
             return f.read()
     except FileNotFoundError:
         return None
-
-
-def as_dict(record: ErrorRecord) -> dict[str, Any]:
-    return dict(record.__dict__)
-
-
-def state_dir(*parts: str) -> str:
-    """``$XDG_STATE_HOME/air_magic/...`` (``~/.local/state/air_magic/...``): logs, the embedded store."""
-    state = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
-    return os.path.join(state, "air_magic", *parts)
 
 
 def wait_for_eof(fd: int) -> None:

@@ -1,7 +1,7 @@
 """The last runs of this process: where their logs are and how they ended.
 
-A consumer like the displays; ``air_magic.last_run()`` reads it (and the
-``%distributed`` line magic will). Kept in memory only.
+A consumer like the displays; ``air_magic.last_run()`` and ``%distributed
+status`` read it. Kept in memory only.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import collections
 from dataclasses import dataclass, field
 from typing import Any
 
-from air_magic.protocol.events import Event, RankExited, RunFinished, RunStarted
+from air_magic.protocol.events import Event, RankExited, RecordLink, RunFinished, RunStarted
 
 KEEP = 50
 
@@ -39,16 +39,19 @@ _runs: collections.deque[RunInfo] = collections.deque(maxlen=KEEP)
 
 
 class RunHistory:
-    """Records each run's start, rank exits and end."""
+    """Records each run's start, rank exits and end; ``record`` is the call's MLflow run, if any."""
 
-    def __init__(self) -> None:
+    def __init__(self, record: RecordLink | None = None) -> None:
         self._current: RunInfo | None = None
+        self._record = record
 
     def handle(self, event: Event) -> None:
         if isinstance(event, RunStarted):
             self._current = RunInfo(event.run_id, event.name, event.world_size, event.log_dir)
-            self._current.tracking, self._current.tracking_url = event.tracking, event.tracking_url
-            self._current.mlflow_run_id = event.mlflow_run_id
+            if self._record is not None:
+                self._current.tracking = self._record.description
+                self._current.tracking_url = self._record.url
+                self._current.mlflow_run_id = self._record.run_id
             _runs.append(self._current)
         elif self._current is None:
             return
@@ -64,7 +67,3 @@ class RunHistory:
 def last_run() -> RunInfo | None:
     """The most recent run of this process (``None`` before the first)."""
     return _runs[-1] if _runs else None
-
-
-def runs() -> list[RunInfo]:
-    return list(_runs)

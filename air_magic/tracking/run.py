@@ -65,13 +65,12 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
-from air_magic import private_files
+from air_magic import paths, private_files
 from air_magic._version import __version__
 from air_magic.launch.accelerators import AcceleratorPlan
-from air_magic.protocol import wire
-from air_magic.protocol.events import Event, RunFinished, RunStarted
+from air_magic.protocol import env_names
+from air_magic.protocol.events import Event, RecordLink, RunFinished, RunStarted
 from air_magic.tracking.metric_writer import MetricWriter
-from air_magic.worker.metrics import ENV_SHARED
 
 _STATUS = {
     "succeeded": "FINISHED",
@@ -91,14 +90,6 @@ _imported: threading.Event | None = None  # set when the thread importing mlflow
 _import_failure: BaseException | None = None
 _reaped: set[str] = set()  # tracking URIs already checked for runs whose caller died
 _live: list[TrackedRun] = []  # runs of this process not yet ended (for atexit)
-
-
-def embedded_dir() -> str:
-    return os.environ.get("AIR_MAGIC_MLFLOW_DIR") or wire.state_dir("mlflow")
-
-
-def embedded_uri() -> str:
-    return "sqlite:///" + os.path.join(embedded_dir(), "mlflow.db")
 
 
 @dataclass
@@ -126,6 +117,10 @@ class TrackedRun:
     def describe(self) -> str:
         where = self.url or f"{self.tracking_uri} (%distributed mlflow-ui opens it in a browser)"
         return f"MLflow run {self.run_id} in experiment {self.experiment_id}: {where}"
+
+    def link(self) -> RecordLink:
+        """The run as displays show it."""
+        return RecordLink(run_id=self.run_id, description=self.describe(), url=self.url)
 
     def handle(self, event: Event) -> None:
         if isinstance(event, RunStarted):
@@ -189,8 +184,12 @@ class TrackedRun:
                 self.client.set_tag(self.run_id, key, value)
             if self.log_dir and os.path.isdir(self.log_dir):
                 self.client.log_artifacts(self.run_id, self.log_dir, "logs")
-            if self.tracking_uri == embedded_uri():  # MLflow makes them with the umask: 0644 files
-                private_files.make_run_artifacts_private(self.client, self.run_id, embedded_dir())
+            if (
+                self.tracking_uri == paths.embedded_mlflow_uri()
+            ):  # MLflow makes them with the umask: 0644 files
+                private_files.make_run_artifacts_private(
+                    self.client, self.run_id, paths.embedded_mlflow_dir()
+                )
         except Exception as exc:  # noqa: BLE001 - the run must still be ended below
             _warn(f"could not record logs and tags in MLflow run {self.run_id}: {exc}")
         try:
@@ -432,12 +431,12 @@ def _describe_call(tracked: TrackedRun, call: CallFacts) -> None:
         "MLFLOW_TRACKING_URI": uri,
         "MLFLOW_EXPERIMENT_ID": experiment_id,
         "MLFLOW_RUN_ID": run_id,
-        ENV_SHARED: run_id,
+        env_names.SHARED_RUN: run_id,
     }
     metrics = None
-    if os.environ.get(wire.ENV_METRICS_MODE, "batched") != "direct":
+    if os.environ.get(env_names.METRICS_MODE, "batched") != "direct":
         metrics = MetricWriter(client, run_id, private_files.private_tempdir("metrics"))  # 0700
-        env[wire.ENV_METRICS_DIR] = metrics.directory
+        env[env_names.METRICS_DIR] = metrics.directory
     from air_magic.tracking import ui as mlflow_ui
 
     tracked.url = mlflow_ui.run_url(uri, experiment_id, run_id)
@@ -558,11 +557,9 @@ def _unreachable(uri: str, seconds: float) -> str | None:
 
 def _say_untracked(uri: str, why: str, log_root: str | None) -> None:
     """One loud line: the call goes on, but MLflow will not have it."""
-    from air_magic.backends.output import default_log_root
-
     print(
         f"air_magic: WARNING: the MLflow tracking server {uri} {why}: this call runs UNTRACKED "
-        f"(its rank logs are kept under {log_root or default_log_root()})",
+        f"(its rank logs are kept under {log_root or paths.default_log_root()})",
         file=sys.stderr,
         flush=True,
     )
@@ -577,10 +574,10 @@ def _store_setup_lock(uri: str) -> Iterator[None]:
     ``duplicate column name``). Each process opens a store once (MLflow caches it), so
     the lock is taken once per process, and is over in milliseconds once the tables exist.
     """
-    if uri != embedded_uri():
+    if uri != paths.embedded_mlflow_uri():
         yield
         return
-    path = os.path.join(embedded_dir(), "mlflow.db.lock")
+    path = os.path.join(paths.embedded_mlflow_dir(), paths.MLFLOW_DB_LOCK)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
@@ -597,8 +594,10 @@ def _tracking_uri(mlflow: Any, active: Any) -> str:
     experiment_set = getattr(fluent, "_active_experiment_id", None) is not None
     if user_configured or active is not None or experiment_set:
         return str(mlflow.get_tracking_uri())
-    private_files.private_store(embedded_dir(), "mlflow.db", ["artifacts"])  # before MLflow opens it
-    return embedded_uri()
+    private_files.private_store(
+        paths.embedded_mlflow_dir(), paths.MLFLOW_DB, [paths.MLFLOW_ARTIFACTS]
+    )  # before MLflow opens it
+    return paths.embedded_mlflow_uri()
 
 
 def _experiment_id(mlflow: Any, client: Any, uri: str, active: Any, explicit: str | None) -> str:
@@ -616,9 +615,9 @@ def _experiment_id(mlflow: Any, client: Any, uri: str, active: Any, explicit: st
     if found is not None:
         return str(found.experiment_id)
     location = None
-    if uri == embedded_uri():
+    if uri == paths.embedded_mlflow_uri():
         # Keep artifacts beside the embedded store, not in whatever the cwd is.
-        location = "file://" + os.path.join(embedded_dir(), "artifacts", _safe(name))
+        location = "file://" + os.path.join(paths.embedded_mlflow_dir(), paths.MLFLOW_ARTIFACTS, _safe(name))
     try:
         return str(client.create_experiment(name, artifact_location=location))
     except Exception:  # another process may have created it first (re-raised below if not)

@@ -18,7 +18,7 @@ import sys
 import time
 import urllib.request
 
-from air_magic import private_files
+from air_magic import paths, private_files
 
 _servers: dict[str, str] = {}  # tracking URI -> UI base URL
 _lifelines: list[int] = []  # write ends, held open for this process's lifetime
@@ -38,16 +38,14 @@ def start_ui(uri: str, timeout_s: float = 90.0) -> str:
         return _servers[uri]
     if uri.startswith(("http://", "https://")):
         return uri.rstrip("/")
-    from air_magic.tracking.run import embedded_dir
-
     folder = private_files.private_root(
-        embedded_dir(),
+        paths.embedded_mlflow_dir(),
         "the embedded MLflow store's folder",
         "Set AIR_MAGIC_MLFLOW_DIR to a folder only you can write",
     )
-    log_path = os.path.join(folder, "ui.log")
+    log_path = os.path.join(folder, paths.MLFLOW_UI_LOG)
     port = _free_port()
-    artifacts = private_files.private_subfolder(os.path.join(folder, "served-artifacts"))
+    artifacts = private_files.private_subfolder(os.path.join(folder, paths.MLFLOW_SERVED_ARTIFACTS))
     command = [
         sys.executable, "-m", "mlflow", "server",
         "--backend-store-uri", uri,

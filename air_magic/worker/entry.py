@@ -31,7 +31,7 @@ import time
 import traceback
 from typing import Any, NoReturn
 
-from air_magic.protocol import serialization, wire
+from air_magic.protocol import env_names, serialization, wire
 from air_magic.worker import mlflow_hook as rank_mlflow
 
 # The launcher passes this to ``python -c``; argv[1] is the run directory.
@@ -161,7 +161,7 @@ def _watch_lifeline() -> None:
     process-group leader, so killing the group also takes DataLoader workers
     and other children it started.
     """
-    raw = os.environ.get(wire.ENV_LIFELINE_FD)
+    raw = os.environ.get(env_names.LIFELINE_FD)
     if not raw:
         return
     fd = int(raw)

@@ -3,6 +3,7 @@
 MLflow's fluent calls insert one row per call (about 4.5 ms on a sqlite store,
 and every rank queues on the one database lock). When the rank imports
 ``mlflow.tracking.fluent``, :func:`patch_fluent` (called by ``rank_mlflow``'s
+from air_magic.protocol import env_names
 import hook) wraps both functions: a metric for the call's shared run is
 validated exactly as MLflow validates it, stamped with the caller's step and
 the time of the call, and appended as one line to
@@ -28,16 +29,14 @@ import time
 from types import ModuleType
 from typing import Any
 
-from air_magic.protocol import wire
-
-ENV_SHARED = "AIR_MAGIC_MLFLOW_RUN_ID"  # the call's run; also read by rank_mlflow
+from air_magic.protocol import env_names, wire
 
 
 def enabled() -> bool:
     return bool(
-        os.environ.get(ENV_SHARED)
-        and os.environ.get(wire.ENV_METRICS_DIR)
-        and os.environ.get(wire.ENV_METRICS_MODE, "batched") != "direct"
+        os.environ.get(env_names.SHARED_RUN)
+        and os.environ.get(env_names.METRICS_DIR)
+        and os.environ.get(env_names.METRICS_MODE, "batched") != "direct"
     )
 
 
@@ -71,9 +70,9 @@ def patch_fluent(fluent: ModuleType) -> None:
     from mlflow.utils.async_logging.run_operations import RunOperations
     from mlflow.utils.validation import _validate_metric
 
-    shared = os.environ[ENV_SHARED]
+    shared = os.environ[env_names.SHARED_RUN]
     uri = os.environ.get("MLFLOW_TRACKING_URI")
-    sink = _MetricFile(wire.metrics_path(os.environ[wire.ENV_METRICS_DIR], os.environ.get("RANK", "0")))
+    sink = _MetricFile(wire.metrics_path(os.environ[env_names.METRICS_DIR], os.environ.get("RANK", "0")))
     direct_metric, direct_metrics = fluent.log_metric, fluent.log_metrics
     get_or_start = getattr(fluent, "_get_or_start_run", fluent.active_run)
     active_model = getattr(fluent, "get_active_model_id", lambda: None)  # MLflow 3; absent in 2.x

@@ -40,12 +40,12 @@ from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
+from air_magic.protocol import env_names
 from air_magic.worker import metrics as rank_metrics
-from air_magic.worker.metrics import ENV_SHARED
 
 
 def install() -> None:
-    if not os.environ.get(ENV_SHARED) or any(isinstance(f, _MlflowHook) for f in sys.meta_path):
+    if not os.environ.get(env_names.SHARED_RUN) or any(isinstance(f, _MlflowHook) for f in sys.meta_path):
         return
     for name, patch in _PATCHES.items():
         if name in sys.modules:  # imported before the rank started (a warm starter's preload)
@@ -88,7 +88,7 @@ class _PatchingLoader(importlib.abc.Loader):
 def _keep_shared_run_open(module: ModuleType) -> None:
     client_class = module.MlflowClient
     original = client_class.set_terminated
-    shared = os.environ[ENV_SHARED]
+    shared = os.environ[env_names.SHARED_RUN]
 
     def set_terminated(self: Any, run_id: str, status: Any = None, end_time: Any = None) -> None:
         try:
@@ -112,7 +112,7 @@ def _start_own_runs_as_children(fluent: ModuleType) -> None:
     from mlflow.tracking import get_tracking_uri
 
     original = fluent.start_run
-    shared = os.environ[ENV_SHARED]
+    shared = os.environ[env_names.SHARED_RUN]
     shared_uri = os.environ.get("MLFLOW_TRACKING_URI")
     shared_experiment = os.environ.get("MLFLOW_EXPERIMENT_ID")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from air_magic.protocol import wire
+from air_magic.protocol import env_names
 
 
 def init_process_group(backend: str | None = None, **kwargs: Any) -> Any:
@@ -19,7 +19,7 @@ def init_process_group(backend: str | None = None, **kwargs: Any) -> Any:
     import torch.distributed as dist
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    on_gpu = os.environ.get(wire.ENV_DEVICE, "cuda" if torch.cuda.is_available() else "cpu") == "cuda"
+    on_gpu = os.environ.get(env_names.DEVICE, "cuda" if torch.cuda.is_available() else "cpu") == "cuda"
     if on_gpu:
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)

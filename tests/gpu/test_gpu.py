@@ -212,7 +212,7 @@ def _check_seed_metrics(world: int) -> None:
     """Every rank's per-step loss of the seed's example is in the call's MLflow run."""
     from mlflow.tracking import MlflowClient
 
-    from air_magic.tracking.run import embedded_uri
+    from air_magic.paths import embedded_mlflow_uri as embedded_uri
 
     client = MlflowClient(embedded_uri())
     experiments = [e.experiment_id for e in client.search_experiments()]

@@ -17,8 +17,7 @@ import threading
 import time
 
 import air_magic
-from air_magic import distributed
-from air_magic.tracking import run as tracking
+from air_magic import distributed, paths
 
 
 @distributed(num_accelerators=2, display="none", experiment="early-interrupt", warm_start=False)
@@ -63,7 +62,7 @@ def runs_still_running() -> list[str]:
     except Exception as exc:  # noqa: BLE001 - a broken mlflow import is what the test looks for
         return [f"could not read the store: {type(exc).__name__}: {exc}"]
 
-    client = MlflowClient(tracking.embedded_uri())
+    client = MlflowClient(paths.embedded_mlflow_uri())
     experiments = [e.experiment_id for e in client.search_experiments()]
     deadline = time.monotonic() + 15
     while True:

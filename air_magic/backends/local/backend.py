@@ -1,685 +1,84 @@
-"""Where ranks are started and watched: the local launcher backend.
+"""The local backend: every rank a process on this machine, fresh or forked from the warm starter.
 
-The flow of one call, top to bottom::
+The flow of one call here::
 
-    surface (decorator; later the cell magic and CLI)
-      -> LaunchRequest: the pickled payload, the accelerator plan, the settings
-      -> LocalLauncher.run(request, bus)
-           1. private run directory (0700): launch.json + payload.pkl, written once
-           2. rendezvous store on 127.0.0.1, port chosen by the kernel (rendezvous.py)
-           3. one fresh ``sys.executable`` per rank, each leading its own process
-              group, stdout/stderr on pipes, the lifeline pipe's read end inherited
-           4. one loop waits on everything at once: output pipes, a pidfd per rank,
-              and the deadline; output goes to OutputRouter (logs, events, tails)
-           5. the first failure, the timeout or an interrupt stops every rank's tree
-              (process_tree.py); failures.py builds the error from the earliest failure
-           6. results are read in rank order; the run directory is removed
-      -> events (RunStarted, RankStarted, RankOutput, RankExited, RunFinished)
-         flow to consumers (text display now; widgets and MLflow later), which
-         never drive processes.
+    LocalBackend.prepare(settings)  the warm starter on its way (warm mode); the accelerator plan
+    LocalBackend.run(request, bus)
+      1. a private call folder (0700): launch.json + payload.pkl, written once (protocol/wire.py)
+      2. the rendezvous store on 127.0.0.1, port chosen by the kernel (rendezvous.py)
+      3. call_loop.CallLoop: one process per rank (a fork of the ready starter, or a fresh
+         ``sys.executable``), watched until the end, stopped, the outcome built
+      4. the call folder is removed
+    LocalBackend.stop()             from any thread: the loop stops every rank, as on Ctrl-C
 
-Inside a rank, see rank_entry.py.
+Two modes behind one class: ``warm_start=True`` (``local-warm``) forks ranks from
+the starter when it is ready and starts fresh ones otherwise; ``warm_start=False``
+(``local-fresh``) always starts fresh interpreters.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import secrets
-import select
-import selectors
 import shutil
-import signal
-import subprocess
 import sys
-import time
-from dataclasses import dataclass, field
-from typing import Any
+import threading
+from collections.abc import Mapping
 
 from air_magic import private_files
 from air_magic.backends.local import warm
+from air_magic.backends.local.call_loop import CallLoop, CallPlace
 from air_magic.backends.local.rendezvous import RendezvousStore
-from air_magic.backends.output import OutputRouter, make_log_dir
-from air_magic.errors import DistributedTimeoutError, LaunchError, PayloadError
-from air_magic.launch.accelerators import AcceleratorPlan
-from air_magic.launch.failures import RankFailure, build_exception, exit_words
-from air_magic.launch.rank_env import rank_environment
-from air_magic.process_tree import DEFAULT_GRACE_S, DescendantTracker, stop_trees
-from air_magic.protocol import serialization, wire
-from air_magic.protocol.events import (
-    EventBus,
-    RankExited,
-    RankStarted,
-    RankState,
-    RunFinished,
-    RunStarted,
-    Tick,
-)
-from air_magic.worker import entry as rank_entry
-
-INTERRUPT_GRACE_S = 1.0
-TICK_S = 0.2  # how often the loop wakes without output, for displays and the deadline
-_DRAIN_S = 2.0
-REPORTED_EXIT_S = 1.0  # how long a rank that reported its error may take to exit on its own
-# A SIGKILL is only seen after the fact (the loop's pidfd wakes late under load), while an
-# exception is stamped when it is raised. A peer's collective error follows the death it was
-# caused by, and nothing a peer raises SIGKILLs a rank: a SIGKILL seen this soon after the
-# earliest exception came first.
-_SIGKILL_SEEN_LATE_S = 1.5
-_READ_SIZE = 1 << 16
+from air_magic.backends.output import make_log_dir
+from air_magic.launch.accelerators import AcceleratorPlan, plan_accelerators
+from air_magic.launch.request import LaunchRequest, RunResult, new_run_id
+from air_magic.launch.settings import LaunchSettings
+from air_magic.protocol import wire
+from air_magic.protocol.events import EventBus
 
 
-@dataclass(frozen=True)
-class LaunchRequest:
-    """Everything a backend needs to run one call."""
+class LocalBackend:
+    """Runs every rank as a local process: forked from the warm starter, or a fresh interpreter."""
 
-    name: str  # the function's (or cell's) name, for display and logs
-    payload: bytes  # cloudpickle of (fn, args, kwargs)
-    plan: AcceleratorPlan
-    timeout: float | None
-    env: dict[str, str] = field(default_factory=dict)
-    log_root: str | None = None
-    grace_s: float = DEFAULT_GRACE_S
-    warm: bool = True  # fork ranks from the warm starter when it is ready (warm.py)
-    tracking: str | None = None  # for displays: the MLflow run, in words
-    tracking_url: str | None = None
-    mlflow_run_id: str | None = None
+    def __init__(self, warm_start: bool = True):
+        self.warm_start = warm_start
+        self.name = "local-warm" if warm_start else "local-fresh"
+        self._stop_requested = threading.Event()
 
-
-@dataclass
-class RunResult:
-    """How a run ended: every rank's value in rank order, or the error to raise."""
-
-    run_id: str
-    log_dir: str
-    outcome: str  # 'succeeded', 'failed' or 'timeout'
-    values: list[Any] | None = None
-    error: BaseException | None = None
-
-    def unwrap(self) -> list[Any]:
-        if self.error is not None:
-            # Raised here, the traceback starts at the caller's line, not inside the launcher.
-            raise self.error
-        assert self.values is not None
-        return self.values
-
-
-def new_run_id() -> str:
-    # Timestamp first, so log folders sort by age.
-    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
-
-
-class LocalLauncher:
-    """Runs every rank as a fresh local process of the caller's interpreter."""
+    def prepare(self, settings: LaunchSettings) -> AcceleratorPlan:
+        if self.warm_start:
+            # First: the starter imports torch while this process does its own imports. The call's
+            # env= may hold start-up variables (PYTHONHASHSEED...), which the starter must start with.
+            warm.prestart(settings.log_dir, settings.env)
+        return plan_accelerators(settings.num_accelerators, settings.accelerator_type)
 
     def run(self, request: LaunchRequest, bus: EventBus) -> RunResult:
+        self._stop_requested.clear()
         # A caller killed mid-call (SIGKILL) cannot remove its folders: the arguments in clear.
         private_files.sweep_dead_callers()
         run_id = new_run_id()
         log_dir = make_log_dir(request.log_root, run_id)
         run_dir = private_files.private_tempdir(run_id)  # 0700, named after this caller for the sweep
         try:
-            _write_run_files(run_dir, request.payload)
+            write_call_files(run_dir, request.payload)
             store = RendezvousStore(request.plan.world_size)
             try:
-                return _Run(request, bus, run_id, run_dir, log_dir, store.port).execute()
+                place = CallPlace(run_id, run_dir, log_dir, store.port)
+                loop = CallLoop(
+                    request, bus, place, warm_start=self.warm_start, stop_requested=self._stop_requested
+                )
+                return loop.execute()
             finally:
                 store.close()
         finally:
             shutil.rmtree(run_dir, ignore_errors=True)
 
+    def stop(self) -> None:
+        self._stop_requested.set()
 
-def _write_run_files(run_dir: str, payload: bytes) -> None:
-    launch = {"sys_path": [p for p in sys.path], "argv": list(sys.argv) or [""]}
+
+def write_call_files(run_dir: str, payload: bytes, launch: Mapping[str, object] | None = None) -> None:
+    """The call folder's two inputs: the caller's ``sys.path`` and ``argv``, and the payload."""
+    launch = launch or {"sys_path": list(sys.path), "argv": list(sys.argv) or [""]}
     wire.write_atomically(os.path.join(run_dir, wire.LAUNCH_FILE), json.dumps(launch).encode())
     wire.write_atomically(os.path.join(run_dir, wire.PAYLOAD_FILE), payload)
-
-
-class _Fresh:
-    """A rank started as a fresh ``sys.executable`` (our child: Popen knows its exit code)."""
-
-    def __init__(self, proc: subprocess.Popen[bytes]):
-        self.proc = proc
-        self.pid = proc.pid
-
-    @property
-    def returncode(self) -> int | None:
-        return self.proc.returncode
-
-    def poll(self) -> int | None:
-        return self.proc.poll()
-
-    def wait(self, timeout: float | None = None) -> int:
-        return self.proc.wait(timeout)
-
-
-class _Forked:
-    """A rank forked by the warm starter: not our child, so the starter reports its exit code."""
-
-    def __init__(self, pid: int, starter: warm.Starter, run_dir: str, rank: int):
-        self.pid = pid
-        self.starter = starter
-        self.run_dir = run_dir
-        self.rank = rank
-        self.returncode: int | None = None
-        self.status_lost = False  # the starter died before it could report this rank's exit
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            self.returncode = self.starter.poll(self.pid)
-            if self.returncode is None and not self.starter.alive() and not _exists(self.pid):
-                self.returncode = self._status_from_files()
-        return self.returncode
-
-    def _status_from_files(self) -> int:
-        """The starter died, so the exit status is lost; what the rank wrote still tells how it ended.
-
-        A rank writes its result (or its error) before exiting 0 (or 1): a result
-        that was written counts, whatever happened to the starter afterwards.
-        """
-        self.status_lost = True
-        if os.path.exists(wire.result_path(self.run_dir, self.rank)):
-            return 0
-        if os.path.exists(wire.error_path(self.run_dir, self.rank)):
-            return 1
-        return -signal.SIGKILL
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(str(self.pid), timeout or 0)
-            time.sleep(0.005)
-        assert self.returncode is not None
-        return self.returncode
-
-
-def _exists(pid: int) -> bool:
-    """The process is running (a zombie has ended: only its exit status waits to be collected)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] not in (b"Z", b"X")
-
-
-class _RankProcess:
-    def __init__(self, rank: int, proc: _Fresh | _Forked, warm_started: bool):
-        self.rank = rank
-        self.proc = proc
-        self.warm_started = warm_started
-        self.pidfd: int | None = None
-        try:
-            self.pidfd = os.pidfd_open(proc.pid)
-        except (AttributeError, OSError):  # old kernel: the loop polls instead
-            self.pidfd = None
-        self.exit_code: int | None = None
-        self.exited_at: float | None = None  # the loop's last time it saw the rank alive
-        self.dead_since: float | None = None  # seen gone (pidfd) before its exit code came
-        self.state = RankState.STARTING
-
-
-class _Run:
-    """One call's ranks, from start to the last reaped process."""
-
-    def __init__(
-        self, request: LaunchRequest, bus: EventBus, run_id: str, run_dir: str, log_dir: str, port: int
-    ):
-        self.request = request
-        self.bus = bus
-        self.run_id = run_id
-        self.run_dir = run_dir
-        self.log_dir = log_dir
-        self.port = port
-        self.world = request.plan.world_size
-        self.ranks: list[_RankProcess] = []
-        self.router = OutputRouter(log_dir, self.world, bus)
-        self.selector = selectors.DefaultSelector()
-        self.tracker = DescendantTracker()
-        self.started = time.monotonic()
-        self.deadline = None if request.timeout is None else self.started + request.timeout
-        self.failed_rank: int | None = None
-        self.payload_gone = False
-        self.teardown_at: float | None = None  # when the first stop of the ranks began
-
-    # -- the whole call ----------------------------------------------------------------
-
-    def execute(self) -> RunResult:
-        plan = self.request.plan
-        self.bus.emit(
-            RunStarted(
-                run_id=self.run_id,
-                world_size=self.world,
-                backend=plan.backend,
-                detected=plan.detected,
-                cpu_mode=plan.cpu_mode,
-                log_dir=self.log_dir,
-                name=self.request.name,
-                tracking=self.request.tracking,
-                tracking_url=self.request.tracking_url,
-                mlflow_run_id=self.request.mlflow_run_id,
-            )
-        )
-        lifeline_r, lifeline_w = os.pipe()
-        outcome = "failed"
-        error: BaseException | None = None
-        try:
-            try:
-                started = self._start_ranks(lifeline_r)
-            finally:
-                os.close(lifeline_r)
-            if not started:
-                outcome, error = "timeout", self._starter_timeout()
-                return RunResult(self.run_id, self.log_dir, outcome, error=error)
-            outcome = self._watch()
-            if outcome == "succeeded":
-                try:
-                    return RunResult(self.run_id, self.log_dir, outcome, values=self._results())
-                except PayloadError as exc:
-                    outcome, error = "failed", exc
-            else:
-                error = self._error(outcome)
-            return RunResult(self.run_id, self.log_dir, outcome, error=error)
-        except KeyboardInterrupt:
-            outcome = "interrupted"
-            self._stop(INTERRUPT_GRACE_S)
-            raise
-        finally:
-            self._stop(self.request.grace_s)  # no-op when every rank is already reaped
-            self._drain()
-            self.router.close()
-            self.selector.close()
-            os.close(lifeline_w)  # last: ranks die with the lifeline if anything above failed
-            for r in self.ranks:
-                if r.pidfd is not None:
-                    os.close(r.pidfd)
-            self.bus.emit(
-                RunFinished(
-                    run_id=self.run_id,
-                    outcome=outcome,
-                    elapsed=time.monotonic() - self.started,
-                    log_dir=self.log_dir,
-                    error=None if error is None else f"{type(error).__name__}: {error}",
-                    failed_rank=self.failed_rank,
-                )
-            )
-
-    # -- starting ----------------------------------------------------------------------
-
-    def _start_ranks(self, lifeline_r: int) -> bool:
-        """Start every rank; False when the call's timeout ran out first (waiting for the starter)."""
-        cwd = os.getcwd()
-        envs = [
-            rank_environment(
-                rank=rank,
-                plan=self.request.plan,
-                port=self.port,
-                run_id=self.run_id,
-                run_dir=self.run_dir,
-                log_dir=self.log_dir,
-                lifeline_fd=lifeline_r,
-                extra=self.request.env,
-            )
-            for rank in range(self.world)
-        ]
-        starter = None
-        if self.request.warm:
-            starter = self._ready_starter(envs[0])
-            if starter is None and self._deadline_passed():
-                return False
-        if starter is not None:
-            # Its exit reports wake the loop as soon as they come.
-            self.selector.register(starter, selectors.EVENT_READ, ("starter", None))
-        for rank, env in enumerate(envs):
-            out_r, out_w = os.pipe()
-            err_r, err_w = os.pipe()
-            try:
-                proc = self._spawn(starter, rank, env, cwd, out_w, err_w, lifeline_r)
-            except OSError as exc:
-                for fd in (out_r, err_r):
-                    os.close(fd)
-                raise LaunchError(f"could not start rank {rank} with {sys.executable}: {exc}") from exc
-            finally:
-                os.close(out_w)
-                os.close(err_w)
-            ranked = _RankProcess(rank, proc, isinstance(proc, _Forked))
-            self.ranks.append(ranked)
-            for stream, fd in (("stdout", out_r), ("stderr", err_r)):
-                os.set_blocking(fd, False)
-                self.selector.register(fd, selectors.EVENT_READ, (ranked, stream))
-            if ranked.pidfd is not None:
-                self.selector.register(ranked.pidfd, selectors.EVENT_READ, (ranked, None))
-            ranked.state = RankState.RUNNING
-            self.bus.emit(RankStarted(rank=rank, pid=proc.pid))
-        return True
-
-    def _ready_starter(self, env: dict[str, str]) -> warm.Starter | None:
-        """The warm starter for ranks with this environment, waited for no longer than the call's timeout."""
-        wait = warm.starter_wait_s()
-        if self.deadline is not None:
-            wait = min(wait, max(0.0, self.deadline - time.monotonic()))
-        return warm.get_starter(self.request.log_root, warm.startup_environment(env), wait_s=wait)
-
-    def _deadline_passed(self) -> bool:
-        return self.deadline is not None and time.monotonic() >= self.deadline
-
-    def _spawn(
-        self,
-        starter: warm.Starter | None,
-        rank: int,
-        env: dict[str, str],
-        cwd: str,
-        out_w: int,
-        err_w: int,
-        lifeline_r: int,
-    ) -> _Fresh | _Forked:
-        if starter is not None:
-            try:
-                pid = starter.spawn(env, cwd, self.run_dir, [out_w, err_w, lifeline_r])
-                return _Forked(pid, starter, self.run_dir, rank)
-            except OSError:
-                pass  # the starter broke: this rank starts cold, and the next call gets a new starter
-        proc = subprocess.Popen(
-            [sys.executable, "-c", rank_entry.BOOTSTRAP, self.run_dir],
-            cwd=cwd,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=out_w,
-            stderr=err_w,
-            pass_fds=(lifeline_r,),
-            start_new_session=True,  # its own process group: teardown reaches its children
-        )
-        return _Fresh(proc)
-
-    # -- the one loop ------------------------------------------------------------------
-
-    def _watch(self) -> str:
-        """Wait for every rank; return 'succeeded', 'failed' or 'timeout' with ranks still alive or reaped."""
-        deadline = self.deadline
-        poll_s = TICK_S if all(r.pidfd is not None for r in self.ranks) else 0.1
-        next_tick = 0.0
-        seen_alive = time.monotonic()  # every rank was alive when this was last taken
-        while True:
-            now = time.monotonic()
-            for r in self.ranks:
-                if r.exit_code is None:
-                    if r.proc.poll() is not None:
-                        self._exited(r, r.dead_since or seen_alive)
-                    elif r.dead_since is None and self._dead(r):
-                        r.dead_since = seen_alive  # gone; its exit code is still on its way (warm ranks)
-            seen_alive = now
-            self.tracker.update(r.proc.pid for r in self.ranks if r.exit_code is None)
-            if now >= next_tick:
-                next_tick = now + TICK_S
-                self.bus.emit(Tick(elapsed=now - self.started))
-                self._forget_payload_once_loaded()
-                self._note_reported_failures(now)
-            if any(r.state is RankState.FAILED for r in self.ranks):
-                self._settle()
-                return "failed"
-            if all(r.exit_code is not None for r in self.ranks):
-                return "succeeded"
-            wait = poll_s
-            if deadline is not None:
-                wait = min(wait, deadline - now)
-                if wait <= 0:
-                    return "timeout"
-            for key, _ in self.selector.select(wait):
-                ranked, stream = key.data
-                if stream is not None:
-                    self._read(key.fd, ranked, stream)
-                elif ranked == "starter":
-                    self._pump_starter(key.fileobj)
-                # A readable pidfd needs nothing here: the poll at the top reaps it.
-
-    def _note_reported_failures(self, now: float) -> None:
-        """A rank that reported its exception has failed, even if its process has not ended yet.
-
-        Its interpreter may wait for non-daemon threads or multiprocessing children
-        while exiting (as any Python process does); after REPORTED_EXIT_S the others are
-        not kept waiting for that: the call fails and every rank is stopped.
-        """
-        for r in self.ranks:
-            if r.exit_code is None and r.state is RankState.RUNNING:
-                raised_at = self._error_time(r.rank)
-                if raised_at is not None and now - raised_at >= REPORTED_EXIT_S:
-                    r.state, r.exited_at = RankState.FAILED, raised_at
-
-    def _forget_payload_once_loaded(self) -> None:
-        """Delete the payload (the arguments, in clear) as soon as every rank has read it."""
-        if self.payload_gone:
-            return
-        if all(os.path.exists(wire.loaded_path(self.run_dir, r.rank)) for r in self.ranks):
-            self.payload_gone = True
-            try:
-                os.unlink(os.path.join(self.run_dir, wire.PAYLOAD_FILE))
-            except OSError:
-                pass
-
-    def _dead(self, r: _RankProcess) -> bool:
-        """The rank's process is gone (its pidfd is readable), whether or not its exit code is known."""
-        if r.pidfd is None:
-            return False
-        ready, _, _ = select.select([r.pidfd], [], [], 0)
-        return bool(ready)
-
-    def _settle(self, wait_s: float = 1.0) -> None:
-        """Before teardown, collect the exit codes of ranks that already died on their own.
-
-        A warm rank's exit code comes from the starter, a moment after its death; a rank
-        that died first must count as a failure (the root cause), not as one we stopped.
-        """
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
-            pending = [
-                r for r in self.ranks if r.exit_code is None and (r.dead_since is not None or self._dead(r))
-            ]
-            if not pending:
-                return
-            for r in pending:
-                if r.dead_since is None:
-                    r.dead_since = time.monotonic()
-                if r.proc.poll() is not None:
-                    self._exited(r, r.dead_since)
-            time.sleep(0.005)
-
-    def _pump_starter(self, starter: Any) -> None:
-        starter.poll(-1)  # store the exit reports; the poll at the top of the loop reads them
-        if not starter.alive():
-            self.selector.unregister(starter)
-
-    def _read(self, fd: int, ranked: _RankProcess, stream: str) -> bool:
-        try:
-            data = os.read(fd, _READ_SIZE)
-        except BlockingIOError:
-            return True
-        if not data:
-            self.selector.unregister(fd)
-            os.close(fd)
-            return False
-        self.router.feed(ranked.rank, stream, data)
-        return True
-
-    def _exited(self, r: _RankProcess, last_seen_alive: float) -> None:
-        r.exit_code = r.proc.returncode
-        r.exited_at = last_seen_alive
-        if r.pidfd is not None:
-            self.selector.unregister(r.pidfd)
-        ok = r.exit_code == 0 and os.path.exists(wire.result_path(self.run_dir, r.rank))
-        r.state = RankState.SUCCEEDED if ok else RankState.FAILED
-        reason = _exit_reason(None if _status_lost(r) and not ok else r.exit_code, ok)
-        self.bus.emit(RankExited(rank=r.rank, state=r.state, exit_code=r.exit_code, reason=reason))
-
-    # -- stopping ----------------------------------------------------------------------
-
-    def _stop(self, grace_s: float) -> None:
-        procs = [r.proc for r in self.ranks]
-        if not procs:
-            return
-        if self.teardown_at is None:
-            self.teardown_at = time.monotonic()
-        try:
-            stop_trees(procs, grace_s, self.tracker.seen.values())
-        except KeyboardInterrupt:  # a second interrupt: no more grace
-            stop_trees(procs, 0, self.tracker.seen.values())
-            raise
-        finally:
-            for r in self.ranks:
-                if r.exit_code is None:
-                    self._stopped(r)
-
-    def _stopped(self, r: _RankProcess) -> None:
-        """Record a rank that was still unreaped at teardown: stopped by us, unless it ended on its own."""
-        r.exit_code = r.proc.returncode
-        returned = os.path.exists(wire.result_path(self.run_dir, r.rank))
-        raised_at = self._error_time(r.rank)
-        if raised_at is not None and (self.teardown_at is None or raised_at < self.teardown_at):
-            # It failed by itself, just before the others were stopped (its exit code came late).
-            r.state, reason = RankState.FAILED, "raised an exception"
-        elif raised_at is not None:
-            r.state, reason = RankState.KILLED, "stopped by air_magic (it raised while stopping)"
-        elif returned and r.exit_code == 0:  # it returned and finished exiting meanwhile
-            r.state, reason = RankState.SUCCEEDED, "returned"
-        elif returned:
-            r.state, reason = RankState.KILLED, "stopped by air_magic after it returned, while it was exiting"
-        else:
-            r.state, reason = RankState.KILLED, "stopped by air_magic"
-        self.bus.emit(RankExited(rank=r.rank, state=r.state, exit_code=r.exit_code, reason=reason))
-
-    def _drain(self) -> None:
-        """Read what is left in the pipes after the ranks are gone, for at most _DRAIN_S."""
-        for key in list(self.selector.get_map().values()):
-            if key.data[1] is None:  # pidfds and the starter's socket: nothing more to learn there
-                self.selector.unregister(key.fileobj)
-        end = time.monotonic() + _DRAIN_S
-        while self.selector.get_map() and time.monotonic() < end:
-            pipes = [k for k in self.selector.get_map().values() if k.data[1] is not None]
-            if not pipes:
-                break
-            for key, _ in self.selector.select(max(0.0, end - time.monotonic())):
-                ranked, stream = key.data
-                if stream is not None:
-                    while self._read(key.fd, ranked, stream):
-                        pass
-        for key in list(self.selector.get_map().values()):
-            self.selector.unregister(key.fileobj)
-            if key.data[1] is not None:
-                os.close(key.fd)  # a pipe's read end; pidfds and the starter's socket are closed elsewhere
-
-    # -- outcomes ----------------------------------------------------------------------
-
-    def _results(self) -> list[Any]:
-        results = []
-        for r in self.ranks:
-            data = wire.read_bytes(wire.result_path(self.run_dir, r.rank))
-            assert data is not None  # checked when the rank exited
-            try:
-                results.append(serialization.loads(data))
-            except Exception as exc:
-                raise PayloadError(f"rank {r.rank}'s return value could not be loaded here: {exc}") from exc
-        return results
-
-    def _error(self, outcome: str) -> BaseException:
-        if outcome == "timeout":
-            running = [r for r in self.ranks if r.exit_code is None]
-            returned = {r.rank for r in running if os.path.exists(wire.result_path(self.run_dir, r.rank))}
-            self._stop(self.request.grace_s)
-            self._drain()
-            lines = []
-            for r in running:
-                tail = self.router.tails[r.rank].last(5)
-                shown = "\n".join(f"      {line}" for line in tail) if tail else "      (nothing printed)"
-                if r.rank in returned:
-                    what = (
-                        "had returned but was still exiting (Python waits for non-daemon threads "
-                        "and atexit hooks before a process ends)"
-                    )
-                else:
-                    what = "was still running"
-                lines.append(f"  rank {r.rank} {what}; its last lines:\n{shown}")
-            return DistributedTimeoutError(
-                f"timed out after {self.request.timeout:g} s (timeout={self.request.timeout:g}); "
-                "every rank was stopped.\n" + "\n".join(lines) + f"\n  Logs: {self.log_dir}",
-                still_running=[r.rank for r in running],
-                log_dir=self.log_dir,
-            )
-        if warm.process_exiting():
-            self._stop(0)
-            return LaunchError(
-                "the call was stopped: the Python process that made it is exiting "
-                "(a call in a daemon thread does not keep a process alive)"
-            )
-        first_failure_at = min(
-            r.exited_at for r in self.ranks if r.state is RankState.FAILED and r.exited_at is not None
-        )
-        self._stop(self.request.grace_s)
-        self._drain()
-        failures = self._failures(first_failure_at)
-        error = build_exception(
-            failures,
-            world_size=self.world,
-            log_path=self.router.log_path,
-            last_lines=lambda rank: self.router.tails[rank].last(10),
-        )
-        self.failed_rank = min(failures, key=lambda f: (f.time, f.rank)).rank
-        return error
-
-    def _error_time(self, rank: int) -> float | None:
-        """When the rank reported its own failure (the machine's monotonic clock), if it did."""
-        data = wire.read_bytes(wire.error_path(self.run_dir, rank))
-        if data is None:
-            return None
-        try:
-            return float(serialization.loads(data).time)
-        except Exception:  # noqa: BLE001 - a torn record still says it failed; when is unknown
-            return float("-inf")
-
-    def _starter_timeout(self) -> BaseException:
-        """The call's timeout ran out while the warm starter was still importing: no rank ever ran."""
-        starter = warm.starting()
-        who = f"the warm starter (pid {starter.proc.pid})" if starter is not None else "the warm starter"
-        log = f" Its log: {starter.log_path}." if starter is not None and starter.log_path else ""
-        return DistributedTimeoutError(
-            f"timed out after {self.request.timeout:g} s (timeout={self.request.timeout:g}) before any "
-            f"rank started: {who} was still importing {', '.join(warm.preload_list()) or 'its modules'}."
-            f"{log} No rank ran. A longer timeout lets it finish (later calls then start in "
-            "milliseconds); warm_start=False starts fresh ranks instead.",
-            still_running=[],
-            log_dir=self.log_dir,
-        )
-
-    def _failures(self, teardown_at: float) -> list[RankFailure]:
-        """Every rank that failed on its own: it reported an error, or died before teardown began."""
-        failures = []
-        for r in self.ranks:
-            data = wire.read_bytes(wire.error_path(self.run_dir, r.rank))
-            if data is not None:
-                record = serialization.loads(data)
-                failures.append(RankFailure(r.rank, record.time, r.exit_code, record))
-            elif r.state is RankState.FAILED and r.exited_at is not None and r.exited_at <= teardown_at:
-                code = None if _status_lost(r) else r.exit_code  # None: "unknown, the starter died"
-                failures.append(RankFailure(r.rank, r.exited_at, code, None))
-        reported = [f.time for f in failures if f.record is not None]
-        if reported:
-            first = min(reported)
-            for f in failures:
-                if (
-                    f.record is None
-                    and f.exit_code == -signal.SIGKILL
-                    and f.time <= first + _SIGKILL_SEEN_LATE_S
-                ):
-                    f.time = min(f.time, first - 1e-6)
-        return failures
-
-
-def _status_lost(r: _RankProcess) -> bool:
-    return isinstance(r.proc, _Forked) and r.proc.status_lost
-
-
-def _exit_reason(code: int | None, ok: bool) -> str:
-    if ok:
-        return "returned"
-    if code == 1:
-        return "raised an exception"
-    return exit_words(code)

@@ -39,6 +39,8 @@ import sys
 import traceback
 from typing import Any, NoReturn
 
+from air_magic.protocol import env_names
+
 _MAX_MESSAGE = 1 << 20
 
 
@@ -190,7 +192,7 @@ def _take_over_process(
     sys.stdout = sys.__stdout__ = _unbuffered_like(sys.stdout, 1)  # type: ignore[misc]
     sys.stderr = sys.__stderr__ = _unbuffered_like(sys.stderr, 2)  # type: ignore[misc]
     env = dict(request["env"])
-    env["AIR_MAGIC_LIFELINE_FD"] = str(lifeline_r)
+    env[env_names.LIFELINE_FD] = str(lifeline_r)
     os.environ.clear()
     os.environ.update(env)
     os.chdir(request["cwd"])

@@ -42,8 +42,9 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from air_magic import private_files  # starter.log: 0600, never through a planted link
+from air_magic import paths, private_files  # starter.log: 0600, never through a planted link
 from air_magic.errors import ConfigurationError
+from air_magic.protocol import env_names
 
 _BOOTSTRAP = (
     "import json,sys;sys.path[:]=json.loads(sys.argv[3]);"
@@ -54,11 +55,11 @@ _starter: Starter | None = None
 
 
 def enabled() -> bool:
-    return os.environ.get("AIR_MAGIC_WARM", "1") not in ("0", "false", "no", "off")
+    return os.environ.get(env_names.WARM, "1") not in ("0", "false", "no", "off")
 
 
 def preload_list() -> list[str]:
-    raw = os.environ.get("AIR_MAGIC_PRELOAD")
+    raw = os.environ.get(env_names.PRELOAD)
     names = [n.strip() for n in raw.split(",")] if raw is not None else ["torch"]
     return [n for n in names if n and importlib.util.find_spec(n.split(".")[0]) is not None]
 
@@ -249,7 +250,7 @@ class Starter:
 def starter_wait_s() -> float:
     """How long a starter may take, in all, to become ready before calls give up on it."""
     try:
-        return max(0.0, float(os.environ.get("AIR_MAGIC_STARTER_WAIT", "60")))
+        return max(0.0, float(os.environ.get(env_names.STARTER_WAIT, "60")))
     except ValueError:
         return 60.0
 
@@ -316,11 +317,9 @@ def starting() -> Starter | None:
 
 
 def _starter_log(log_root: str | None) -> str:
-    from air_magic.backends.output import default_log_root
-
-    root = log_root or default_log_root()
+    root = log_root or paths.default_log_root()
     os.makedirs(root, mode=0o700, exist_ok=True)
-    return os.path.join(root, "starter.log")
+    return os.path.join(root, paths.STARTER_LOG)
 
 
 def _say_rebuild(old: Mapping[str, str], new: Mapping[str, str]) -> None:

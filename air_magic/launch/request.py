@@ -1,0 +1,56 @@
+"""What a surface asks a backend to run, and how the call ended: the backend seam's two data types.
+
+A :class:`LaunchRequest` says *what* to run (the pickled payload, built once)
+and *where* (the accelerator plan), with the call's timeout and extra
+environment. It says nothing about how ranks are started (a backend's
+business) nor about MLflow (a consumer's: the session passes the tracked
+run's variables through ``env`` like any other).
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from air_magic.launch.accelerators import AcceleratorPlan
+
+
+@dataclass(frozen=True)
+class LaunchRequest:
+    """Everything a backend needs to run one call."""
+
+    name: str  # the function's (or cell's) name, for display and logs
+    payload: bytes  # cloudpickle of (fn, args, kwargs, cell sources)
+    plan: AcceleratorPlan
+    timeout: float | None
+    env: dict[str, str] = field(default_factory=dict)  # extra variables for every rank
+    log_root: str | None = None  # where the call's log folder is made (None: paths.default_log_root)
+
+
+@dataclass
+class RunResult:
+    """How a call ended: every rank's value in rank order, or the error to raise.
+
+    ``outcome`` is 'succeeded', 'failed', 'timeout' or 'interrupted' (stopped by
+    :meth:`Backend.stop <air_magic.backends.base.Backend.stop>`).
+    """
+
+    run_id: str
+    log_dir: str
+    outcome: str
+    values: list[Any] | None = None
+    error: BaseException | None = None
+
+    def unwrap(self) -> list[Any]:
+        if self.error is not None:
+            # Raised here, the traceback starts at the caller's line, not inside the backend.
+            raise self.error
+        assert self.values is not None
+        return self.values
+
+
+def new_run_id() -> str:
+    """A call's id: timestamp first, so log folders sort by age."""
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)

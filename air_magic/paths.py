@@ -1,0 +1,46 @@
+"""Every folder and file name of air_magic's own on disk: the one place they are spelled.
+
+Logs and the embedded MLflow store live under ``$XDG_STATE_HOME/air_magic``
+(``~/.local/state/air_magic``); a call's private folders live in the temp folder,
+named after their owner (``private_files.private_tempdir``). Standard library only.
+"""
+
+from __future__ import annotations
+
+import os
+
+from air_magic.protocol import env_names
+
+APP = "air_magic"
+TEMP_PREFIX = f"{APP}-"  # private temp folders: air_magic-<kind>-<random>.<owner>
+STARTER_LOG = "starter.log"  # the warm starter's own output, beside the call folders
+MLFLOW_DB = "mlflow.db"
+MLFLOW_DB_LOCK = "mlflow.db.lock"  # flock: one process at a time opens (and migrates) the store
+MLFLOW_ARTIFACTS = "artifacts"
+MLFLOW_UI_LOG = "ui.log"
+MLFLOW_SERVED_ARTIFACTS = "served-artifacts"
+
+
+def state_dir(*parts: str) -> str:
+    """``$XDG_STATE_HOME/air_magic/...`` (``~/.local/state/air_magic/...``)."""
+    state = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(state, APP, *parts)
+
+
+def default_log_root() -> str:
+    """Where each call's log folder is made unless ``log_dir=`` says otherwise."""
+    return os.environ.get(env_names.LOG_ROOT) or state_dir("runs")
+
+
+def embedded_mlflow_dir() -> str:
+    """The embedded MLflow store's folder (``AIR_MAGIC_MLFLOW_DIR`` moves it)."""
+    return os.environ.get(env_names.MLFLOW_DIR) or state_dir("mlflow")
+
+
+def embedded_mlflow_uri() -> str:
+    return "sqlite:///" + os.path.join(embedded_mlflow_dir(), MLFLOW_DB)
+
+
+def rank_log(log_dir: str, rank: int) -> str:
+    """A rank's log in the call's log folder: stdout and stderr, whole lines."""
+    return os.path.join(log_dir, f"rank-{rank}.log")

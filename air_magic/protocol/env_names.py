@@ -1,0 +1,29 @@
+"""Every environment variable of air_magic's own, by name: the one place they are spelled.
+
+Two kinds. **Settings** a user (or a test) exports to change air_magic's behaviour;
+**rank variables** the launcher gives each rank beside torchrun's (``RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR``... see ``launch/rank_env.py``), which the rank side reads.
+"""
+
+from __future__ import annotations
+
+# -- settings -----------------------------------------------------------------------------
+LOG_ROOT = "AIR_MAGIC_LOG_DIR"  # where each call's log folder is made (default: paths.default_log_root)
+MLFLOW_DIR = "AIR_MAGIC_MLFLOW_DIR"  # the embedded MLflow store's folder
+METRICS_MODE = "AIR_MAGIC_METRICS"  # 'batched' (default) or 'direct' (MLflow's own path)
+WARM = "AIR_MAGIC_WARM"  # '0' turns the warm starter off
+PRELOAD = "AIR_MAGIC_PRELOAD"  # modules the warm starter imports (comma-separated; default torch)
+STARTER_WAIT = "AIR_MAGIC_STARTER_WAIT"  # seconds a starter may take to become ready
+FORCE_CPU = "AIR_MAGIC_FORCE_CPU"  # '1': plan CPU ranks even when GPUs are visible
+CPU_RANKS = "AIR_MAGIC_CPU_RANKS"  # how many CPU ranks a machine without GPUs runs by default
+
+# -- rank variables -----------------------------------------------------------------------
+RUN_ID = "AIR_MAGIC_RUN_ID"  # the call's id; set means "this process is a rank"
+RUN_DIR = "AIR_MAGIC_RUN_DIR"  # the call's private folder (payload, results, error records)
+LOG_DIR = LOG_ROOT  # in a rank: the call's own log folder (the same name: a rank makes no calls)
+LIFELINE_FD = "AIR_MAGIC_LIFELINE_FD"  # read end of the pipe whose EOF means "the caller is gone"
+CALLER_PID = "AIR_MAGIC_CALLER_PID"  # the process that made the call (a warm rank's parent is the starter)
+BACKEND = "AIR_MAGIC_BACKEND"  # 'nccl' or 'gloo': what init_process_group() picks
+DEVICE = "AIR_MAGIC_DEVICE"  # 'cuda' or 'cpu'
+METRICS_DIR = "AIR_MAGIC_METRICS_DIR"  # where ranks append their MLflow metrics (worker/metrics.py)
+SHARED_RUN = "AIR_MAGIC_MLFLOW_RUN_ID"  # the call's MLflow run, which ranks keep open (worker/mlflow_hook.py)

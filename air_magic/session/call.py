@@ -1,0 +1,120 @@
+"""The call layer: the one place that picks a backend for a call and wires its consumers.
+
+Both surfaces (``decorator.py``, ``notebook/magics.py``; later the command
+line) come here with a function, its bound arguments and validated settings::
+
+    run_call(name, func, bound, settings)
+      1. refuse a call from inside a rank
+      2. backend_for(settings)            the local backend, warm or fresh (later: Ray)
+      3. backend.prepare(settings)        starts what is slow to start; the accelerator plan
+      4. build_payload(...)               cloudpickle once; an unpicklable part fails here, named
+      5. tracking.RunStart(...).wait()    the call's MLflow run (its variables go to every rank)
+      6. consumers: history, the display, the tracked run; one EventBus
+      7. backend.run(request, bus)        -> RunResult (values in rank order, or the error)
+      8. the tracked run ends with the call's outcome (in a ``finally``: even on Ctrl-C)
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Callable
+from typing import Any
+
+from air_magic.backends.base import Backend
+from air_magic.backends.local import warm
+from air_magic.backends.local.backend import LocalBackend
+from air_magic.display.widgets import make_consumers
+from air_magic.errors import ConfigurationError
+from air_magic.launch.payload import build_payload
+from air_magic.launch.request import LaunchRequest, RunResult
+from air_magic.launch.settings import LaunchSettings
+from air_magic.protocol import env_names
+from air_magic.protocol.events import Consumer, EventBus
+from air_magic.session.history import RunHistory
+from air_magic.tracking import run as tracking
+
+
+def backend_for(settings: LaunchSettings) -> Backend:
+    """The backend a call with these settings runs on."""
+    return LocalBackend(warm_start=settings.warm_start)
+
+
+def run_call(
+    name: str,
+    func: Callable[..., Any],
+    bound: inspect.BoundArguments,
+    settings: LaunchSettings,
+    *,
+    kind: str = "function",
+    source: str | None = None,
+    backend: Backend | None = None,
+) -> RunResult:
+    """Plan, pack, track and run one call on ``backend`` (default: :func:`backend_for`)."""
+    inside = os.environ.get(env_names.RUN_ID)
+    if inside:
+        raise ConfigurationError(
+            f"{name}.distributed() was called inside rank {os.environ.get('RANK', '?')} of run {inside}: "
+            "a rank cannot start ranks of its own. Call the function directly there (fn.func(...))."
+        )
+    backend = backend if backend is not None else backend_for(settings)
+    plan = backend.prepare(settings)
+    payload = build_payload(func, bound, settings.max_payload_bytes)
+    run_start = None
+    if settings.tracking:
+        call = tracking.CallFacts(
+            name=name,
+            kind=kind,
+            source=source if source is not None else _source_of(func),
+            plan=plan,
+            timeout=settings.timeout,
+            accelerator_type=settings.accelerator_type.name if settings.accelerator_type else None,
+            experiment=settings.experiment,
+            run_name=settings.run_name,
+        )
+        run_start = tracking.RunStart(call, log_root=settings.log_dir)
+    outcome = "interrupted"
+    # The run is made inside the try: an interrupt at any moment from here on (even while
+    # the run is being created, on RunStart's thread) ends it KILLED rather than leaving it RUNNING.
+    try:
+        tracked = run_start.wait() if run_start is not None else None
+        record = tracked.link() if tracked is not None else None
+        request = LaunchRequest(
+            name=name,
+            payload=payload,
+            plan=plan,
+            timeout=settings.timeout,
+            env={**(tracked.env if tracked else {}), **settings.env},
+            log_root=settings.log_dir,
+        )
+        consumers: list[Consumer] = [RunHistory(record), *make_consumers(settings.display, record)]
+        if tracked is not None:
+            consumers.append(tracked)
+        result = backend.run(request, EventBus(consumers))
+        outcome = result.outcome
+        return result
+    except KeyboardInterrupt:
+        raise
+    except BaseException:
+        outcome = "failed"
+        raise
+    finally:
+        if run_start is not None:
+            run_start.end(outcome)
+
+
+def _source_of(func: Callable[..., Any]) -> str | None:
+    try:
+        return inspect.getsource(func)
+    except (OSError, TypeError):
+        return None
+
+
+def prestart_local() -> None:
+    """Put the warm starter on its way now (``%load_ext``), so the first call finds torch imported."""
+    warm.prestart()
+
+
+def restart_warm_start() -> None:
+    """Stop the warm starter; the next call starts a fresh one (after installing packages, say)."""
+    warm.restart()
