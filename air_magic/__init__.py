@@ -10,12 +10,13 @@ Public surface (everything else is private and may change)::
 
     results = train.distributed(lr=1e-3)   # one value per rank, in rank order
 
-Importing this package is cheap: it imports neither torch, IPython nor
-ipywidgets (rank processes import it too).
+Importing this package is cheap: it imports neither torch, IPython, ipywidgets
+nor mlflow, and the caller's side only on first use (rank processes import it too).
 """
 
+from typing import TYPE_CHECKING, Any
+
 from air_magic._version import __version__
-from air_magic.decorator import DistributedFunction, distributed
 from air_magic.errors import (
     AcceleratorError,
     AirMagicError,
@@ -27,10 +28,40 @@ from air_magic.errors import (
     RankFailedError,
     RemoteTraceback,
 )
-from air_magic.launch.accelerators import AcceleratorType
-from air_magic.session.call import restart_warm_start
-from air_magic.session.history import RunInfo, last_run
-from air_magic.worker.torch_helpers import init_process_group
+
+# The caller's side is imported on first use: a rank imports ``air_magic.worker`` through this
+# package, and should not pay for the launcher, the displays and tracking (about 0.1 s).
+_LAZY = {
+    "AcceleratorType": "air_magic.launch.accelerators",
+    "DistributedFunction": "air_magic.decorator",
+    "distributed": "air_magic.decorator",
+    "RunInfo": "air_magic.session.history",
+    "last_run": "air_magic.session.history",
+    "restart_warm_start": "air_magic.session.call",
+    "init_process_group": "air_magic.worker.torch_helpers",
+}
+
+if TYPE_CHECKING:
+    from air_magic.decorator import DistributedFunction, distributed
+    from air_magic.launch.accelerators import AcceleratorType
+    from air_magic.session.call import restart_warm_start
+    from air_magic.session.history import RunInfo, last_run
+    from air_magic.worker.torch_helpers import init_process_group
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'air_magic' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # once: later lookups do not come here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 
 def load_ipython_extension(ipython: object) -> None:

@@ -1,11 +1,12 @@
-"""Stopping ranks for good: SIGTERM, a short grace, then SIGKILL of whole process trees.
+"""Stopping processes for good: ask, a grace, then SIGKILL of whole process trees. The one place.
 
-Every rank leads its own process group (``start_new_session``), so a signal
-to the group reaches the rank and everything it forked (DataLoader workers,
+Every process air_magic starts (ranks, the warm starter, the MLflow UI's guard
+and server) leads its own process group (``start_new_session``), so a signal
+to the group reaches it and everything it forked (DataLoader workers,
 compilers). Descendants that left the group (``setsid``) are found with
-psutil *before* signalling, while they are still linked to the rank. The
+psutil *before* signalling, while they are still linked to their parent. The
 final SIGKILL to every group is sent even after a clean exit, so nothing a
-rank left behind outlives the call.
+process left behind outlives it.
 """
 
 from __future__ import annotations
@@ -17,8 +18,6 @@ from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 import psutil
-
-DEFAULT_GRACE_S = 3.0
 
 
 class RankProcess(Protocol):
@@ -33,21 +32,26 @@ class RankProcess(Protocol):
 
 def stop_trees(
     procs: Sequence[RankProcess],
-    grace_s: float = DEFAULT_GRACE_S,
+    grace_s: float,
     known: Iterable[psutil.Process] = (),
+    *,
+    ask: signal.Signals | None = signal.SIGTERM,
 ) -> None:
-    """Stop every rank in ``procs`` and all of its descendants; reap the ranks.
+    """Stop every process in ``procs`` and all of its descendants; reap ``procs``.
 
-    ``grace_s`` is how long ranks get after SIGTERM before SIGKILL; 0 kills at once.
-    ``known`` are descendants seen earlier (see :class:`DescendantTracker`), which
-    may have lost their link to a rank that died since.
+    First they are asked to stop: ``ask`` is sent to every group and descendant
+    (``None``: the caller has already asked another way, closing a pipe say). After
+    ``grace_s`` (0: at once) whatever is left gets SIGKILL. ``known`` are descendants
+    seen earlier (see :class:`DescendantTracker`), which may have lost their link
+    to a process that died since.
     """
     pgids = [p.pid for p in procs]
     by_pid = {p.pid: p for p in known}
     by_pid.update((p.pid, p) for p in descendants(p.pid for p in procs if p.poll() is None))
     others = [p for p in by_pid.values() if _alive(p)]
     if grace_s > 0:
-        _signal(pgids, others, signal.SIGTERM)
+        if ask is not None:
+            _signal(pgids, others, ask)
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline:
             if all(p.poll() is not None for p in procs) and not any(_alive(o) for o in others):

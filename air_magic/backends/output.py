@@ -29,10 +29,10 @@ import shutil
 from air_magic import paths, private_files
 from air_magic.errors import ConfigurationError
 from air_magic.protocol.events import EventBus, RankOutput
+from air_magic.protocol.lines import MAX_PARTIAL, LineSplitter, visible
 
 KEEP_RUNS = 100
 TAIL_LINES = 20
-_MAX_PARTIAL = 64 * 1024  # a line longer than this is cut for the tail, not for the log
 
 
 _LOG_ROOT_FIX = "Pass log_dir= (or set AIR_MAGIC_LOG_DIR) to a folder only you can write"
@@ -68,25 +68,21 @@ def _prune(base: str) -> None:
 
 
 class RankTail:
-    """The last lines a rank printed, with carriage-return redraws collapsed."""
+    """The last lines a rank printed, as a terminal shows them (carriage-return redraws collapsed)."""
 
     def __init__(self) -> None:
         self.lines: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
-        self._partial = ""
+        self._splitter = LineSplitter()
 
     def add(self, text: str) -> None:
-        text = self._partial + text
-        *complete, self._partial = text.split("\n")
-        for line in complete[-TAIL_LINES:]:
-            self.lines.append(line.rsplit("\r", 1)[-1])
-        if len(self._partial) > _MAX_PARTIAL:
-            self.lines.append(self._partial[-_MAX_PARTIAL:].rsplit("\r", 1)[-1])
-            self._partial = ""
+        for line in self._splitter.feed(text)[-TAIL_LINES:]:
+            self.lines.append(visible(line))
 
     def last(self, n: int = 5) -> list[str]:
         lines = list(self.lines)
-        if self._partial.strip():
-            lines.append(self._partial.rsplit("\r", 1)[-1])
+        rest = visible(self._splitter.rest())
+        if rest.strip():
+            lines.append(rest)
         return lines[-n:]
 
 
@@ -119,7 +115,7 @@ class OutputRouter:
         key = (rank, stream)
         pending = self._pending[key] + data
         cut = pending.rfind(b"\n") + 1
-        if len(pending) - cut > _MAX_PARTIAL:
+        if len(pending) - cut > MAX_PARTIAL:
             cut = len(pending)
         if cut:
             _write_all(self._log_fds[rank], pending[:cut])

@@ -14,6 +14,8 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass, field
 
+from air_magic.protocol.lines import LineSplitter, visible
+
 MAX_LINES = 1000
 _MAX_LINE_CHARS = 10_000
 
@@ -23,15 +25,12 @@ class RankScreen:
     max_lines: int = MAX_LINES
     lines: collections.deque[tuple[str, str]] = field(default_factory=collections.deque)
     dropped: int = 0
-    _partial: dict[str, str] = field(default_factory=dict)
+    _splitters: dict[str, LineSplitter] = field(default_factory=dict)
 
     def write(self, stream: str, text: str) -> None:
-        text = self._partial.pop(stream, "") + text
-        *complete, rest = text.split("\n")
-        for line in complete:
-            self._append(stream, _redraw(line))
-        if rest:
-            self._partial[stream] = _redraw(rest)[-_MAX_LINE_CHARS:]
+        splitter = self._splitters.setdefault(stream, LineSplitter())
+        for line in splitter.feed(text):
+            self._append(stream, visible(line))
 
     def _append(self, stream: str, line: str) -> None:
         if len(line) > _MAX_LINE_CHARS:
@@ -43,7 +42,8 @@ class RankScreen:
 
     def stream_outputs(self) -> tuple[dict[str, str], ...]:
         """The screen as Jupyter stream outputs: consecutive lines of one stream merged."""
-        rows = list(self.lines) + [(s, p) for s, p in self._partial.items() if p]
+        partial = [(s, visible(split.rest())[-_MAX_LINE_CHARS:]) for s, split in self._splitters.items()]
+        rows = list(self.lines) + [(s, p) for s, p in partial if p]
         outputs: list[dict[str, str]] = []
         for stream, line in rows:
             if outputs and outputs[-1]["name"] == stream:
@@ -54,10 +54,3 @@ class RankScreen:
 
     def text(self) -> str:
         return "".join(o["text"] for o in self.stream_outputs())
-
-
-def _redraw(line: str) -> str:
-    if "\r" not in line:
-        return line
-    stripped = line.rstrip("\r")  # a trailing \r (before \n) does not erase the line
-    return stripped.rsplit("\r", 1)[-1]

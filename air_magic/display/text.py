@@ -19,8 +19,7 @@ from air_magic.protocol.events import (
     RunFinished,
     RunStarted,
 )
-
-_MAX_PARTIAL = 64 * 1024
+from air_magic.protocol.lines import LineSplitter
 
 _cpu_mode_said = False
 
@@ -38,7 +37,7 @@ class TextDisplay:
         self._record = record
         self._out = out
         self._err = err
-        self._partial: dict[tuple[int, str], str] = {}
+        self._splitters: dict[tuple[int, str], LineSplitter] = {}
         self._width = prefix_width
 
     # sys.stdout is read at each write: IPython swaps it per cell.
@@ -58,7 +57,7 @@ class TextDisplay:
             if event.state is not RankState.SUCCEEDED:
                 self._note(f"rank {event.rank} {event.state.value}: {event.reason}")
         elif isinstance(event, RunFinished):
-            for rank in sorted({r for r, _ in self._partial}):
+            for rank in sorted({r for r, _ in self._splitters}):
                 self._flush_rank(rank)
             self._note(f"{event.outcome} in {event.elapsed:.1f} s; logs: {event.log_dir}")
 
@@ -80,20 +79,15 @@ class TextDisplay:
     def _output(self, event: RankOutput) -> None:
         if self._ranks is not None and event.rank not in self._ranks:
             return
-        key = (event.rank, event.stream)
-        text = self._partial.pop(key, "") + event.text
-        *lines, rest = text.split("\n")
-        if len(rest) > _MAX_PARTIAL:
-            lines.append(rest)
-            rest = ""
-        if rest:
-            self._partial[key] = rest
+        splitter = self._splitters.setdefault((event.rank, event.stream), LineSplitter())
+        lines = splitter.feed(event.text)
         if lines:
             self._write(event.rank, event.stream, lines)
 
     def _flush_rank(self, rank: int) -> None:
         for stream in ("stdout", "stderr"):
-            rest = self._partial.pop((rank, stream), "")
+            splitter = self._splitters.get((rank, stream))
+            rest = splitter.flush() if splitter is not None else ""
             if rest:
                 self._write(rank, stream, [rest])
 

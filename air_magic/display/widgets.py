@@ -165,7 +165,7 @@ class WidgetDisplay:
         run = self._run
         assert run is not None
         mode = f"CPU mode, {run.backend}" if run.cpu_mode else f"{run.detected}, {run.backend}"
-        outcome = self._outcome if self._outcome != "running" else "running"
+        outcome = self._outcome
         rows = []
         for r, state in enumerate(self._states):
             start, end = self._started_at[r], self._ended_at[r]

@@ -1,18 +1,21 @@
-"""The wire format between the launcher and a rank: files in the run directory.
+"""The wire format between a backend and a rank: what travels, and the local transport (files).
 
-Nothing travels over a socket of ours. The launcher writes ``launch.json``
-(the caller's ``sys.path`` and ``sys.argv``) and ``payload.pkl`` (cloudpickle
-of ``(fn, args, kwargs, cell_sources)``) into a private (0700) run directory; each rank writes
-``result-<rank>.pkl`` on success or ``error-<rank>.pkl`` on failure, each
-atomically (write, then rename), and the launcher reads them after the rank
-exits. The worker side imports only this module, ``serialization`` and the
-standard library.
+Nothing travels over a socket of ours. The local backend writes ``launch.json``
+(the caller's ``sys.path`` and ``sys.argv``) and ``payload.pkl`` (cloudpickle of
+``(fn, args, kwargs, cell_sources)``) into a private (0700) call folder; each rank
+writes ``result-<rank>.pkl`` on success or ``error-<rank>.pkl`` on failure, each
+atomically (write, then rename), and the backend reads them after the rank exits.
+A rank reaches them through :class:`CallFolder`, one implementation of
+:class:`RankTransport`; a remote agent can hand a rank another. The worker side
+imports only this module, ``serialization`` and the standard library.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 LAUNCH_FILE = "launch.json"
 PAYLOAD_FILE = "payload.pkl"
@@ -91,3 +94,55 @@ def wait_for_eof(fd: int) -> None:
             continue
         except OSError:
             return
+
+
+class RankTransport(Protocol):
+    """How a rank receives its part of a call and hands back its outcome (worker/entry.py uses it)."""
+
+    rank: int
+
+    def read_launch(self) -> dict[str, Any]: ...  # the caller's sys.path and argv
+
+    def read_payload(self) -> bytes: ...
+
+    def mark_loaded(self) -> None: ...  # the payload may be deleted now (the arguments, in clear)
+
+    def write_result(self, data: bytes) -> None: ...
+
+    def write_error(self, data: bytes) -> None: ...  # a pickled ErrorRecord
+
+
+class CallFolder:
+    """The local transport: files in the call's private folder, each written atomically."""
+
+    def __init__(self, run_dir: str, rank: int):
+        self.run_dir = run_dir
+        self.rank = rank
+
+    def read_launch(self) -> dict[str, Any]:
+        with open(os.path.join(self.run_dir, LAUNCH_FILE)) as f:
+            launch: dict[str, Any] = json.load(f)
+        return launch
+
+    def read_payload(self) -> bytes:
+        self._check_private()
+        with open(os.path.join(self.run_dir, PAYLOAD_FILE), "rb") as f:
+            return f.read()
+
+    def mark_loaded(self) -> None:
+        write_atomically(loaded_path(self.run_dir, self.rank), b"")
+
+    def write_result(self, data: bytes) -> None:
+        write_atomically(result_path(self.run_dir, self.rank), data)
+
+    def write_error(self, data: bytes) -> None:
+        write_atomically(error_path(self.run_dir, self.rank), data)
+
+    def _check_private(self) -> None:
+        """Unpickle only from a folder no one else can write: ours, and closed to others (0700)."""
+        info = os.stat(self.run_dir)
+        if info.st_uid != os.getuid() or info.st_mode & 0o077:
+            raise PermissionError(
+                f"refusing to load the payload: {self.run_dir} is not a private folder of this user "
+                f"(owner uid {info.st_uid}, mode {oct(info.st_mode & 0o777)})"
+            )

@@ -10,14 +10,14 @@ grace, SIGKILL. If PROGRAM exits first, the guard exits with its status.
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 import threading
-import time
 
+from air_magic.process_tree import stop_trees
 from air_magic.protocol.wire import wait_for_eof
+
+GRACE_S = 3.0  # mlflow server's workers get this long after SIGTERM to exit on their own
 
 
 def main(argv: list[str]) -> int:
@@ -27,21 +27,10 @@ def main(argv: list[str]) -> int:
 
     def watch() -> None:
         wait_for_eof(fd)
-        _stop_group(child)
+        stop_trees([child], GRACE_S)
 
     threading.Thread(target=watch, daemon=True).start()
     return child.wait()
-
-
-def _stop_group(child: subprocess.Popen[bytes]) -> None:
-    try:
-        os.killpg(child.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 3
-        while child.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        os.killpg(child.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 if __name__ == "__main__":

@@ -19,10 +19,12 @@ import time
 import urllib.request
 
 from air_magic import paths, private_files
+from air_magic.process_tree import stop_trees
 
 _servers: dict[str, str] = {}  # tracking URI -> UI base URL
 _lifelines: list[int] = []  # write ends, held open for this process's lifetime
 _guards: list[subprocess.Popen[bytes]] = []
+GUARD_EXIT_S = 15.0  # a guard gives its server 3 s after SIGTERM; mlflow's workers may take longer
 
 
 def run_url(uri: str, experiment_id: str, run_id: str) -> str | None:
@@ -100,12 +102,7 @@ def _free_port() -> int:
 def stop_ui() -> None:
     """Stop every UI server this process started (they also stop when it exits)."""
     while _lifelines:
-        os.close(_lifelines.pop())
-    while _guards:
-        proc = _guards.pop()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        os.close(_lifelines.pop())  # EOF: each guard stops its server (SIGTERM, grace, SIGKILL)
+    guards, _guards[:] = list(_guards), []
+    stop_trees(guards, GUARD_EXIT_S, ask=None)
     _servers.clear()

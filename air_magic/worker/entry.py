@@ -1,8 +1,12 @@
 """What runs inside each rank process: load the payload, call the function, report.
 
-The launcher starts ``sys.executable -c BOOTSTRAP <run_dir>``; the bootstrap
-restores the caller's ``sys.path`` and calls :func:`main`. This module imports
-only the standard library, cloudpickle and air_magic's wire format: never
+:func:`main` runs a payload from a transport it is handed
+(:class:`~air_magic.protocol.wire.RankTransport`): the local backend's is the
+call folder (:class:`~air_magic.protocol.wire.CallFolder`); a remote agent can
+hand it another. The local backend starts ``sys.executable -c BOOTSTRAP
+<run_dir>`` (or forks the warm starter, which calls :func:`run_from_launch_file`);
+the bootstrap restores the caller's ``sys.path`` and runs the rank. This module
+imports only the standard library, cloudpickle and air_magic's protocol: never
 IPython, ipywidgets or torch (the user's function imports what it needs).
 
 A rank either writes ``result-<rank>.pkl`` and exits 0, or writes
@@ -44,16 +48,15 @@ BOOTSTRAP = (
 
 def run_from_launch_file(run_dir: str) -> NoReturn:
     """Take the caller's sys.path and argv from launch.json, then run the rank (fresh or forked)."""
-    import json
-
-    with open(os.path.join(run_dir, wire.LAUNCH_FILE)) as f:
-        launch = json.load(f)
+    transport = wire.CallFolder(run_dir, int(os.environ["RANK"]))
+    launch = transport.read_launch()
     sys.path[:] = launch["sys_path"]
     sys.argv[:] = launch["argv"]
-    main(run_dir)
+    main(transport)
 
 
-def main(run_dir: str) -> NoReturn:
+def main(transport: wire.RankTransport) -> NoReturn:
+    """Run this rank's part of the call: payload in through ``transport``, outcome out through it."""
     global _in_rank
     _in_rank = True
     install_exit_hook()  # no-op in a forked rank: the starter installed it before its preload
@@ -61,13 +64,11 @@ def main(run_dir: str) -> NoReturn:
     faulthandler.enable(all_threads=True)
     _watch_lifeline()
     rank_mlflow.install()  # only a hook: mlflow is patched if and when the rank imports it
-    rank = int(os.environ["RANK"])
+    rank = transport.rank
     stage = "load"
     try:
-        _check_private(run_dir)
-        with open(os.path.join(run_dir, wire.PAYLOAD_FILE), "rb") as f:
-            payload = f.read()
-        wire.write_atomically(wire.loaded_path(run_dir, rank), b"")
+        payload = transport.read_payload()
+        transport.mark_loaded()
         fn, args, kwargs, sources = serialization.loads(payload)
         del payload
         for name, lines in sources.items():  # notebook cells: tracebacks show their lines
@@ -77,21 +78,11 @@ def main(run_dir: str) -> NoReturn:
         stage = "result"
         data = _dump_result(result, rank)
         stage = "write"
-        wire.write_atomically(wire.result_path(run_dir, rank), data)
+        transport.write_result(data)
     except BaseException as exc:  # noqa: BLE001 - every failure is reported, even SystemExit
-        _report(run_dir, rank, stage, exc)
+        _report(transport, stage, exc)
         _exit(1)
     _exit(0)
-
-
-def _check_private(run_dir: str) -> None:
-    """Unpickle only from a folder no one else can write: ours, and closed to others (0700)."""
-    info = os.stat(run_dir)
-    if info.st_uid != os.getuid() or info.st_mode & 0o077:
-        raise PermissionError(
-            f"refusing to load the payload: {run_dir} is not a private folder of this user "
-            f"(owner uid {info.st_uid}, mode {oct(info.st_mode & 0o777)})"
-        )
 
 
 def _dump_result(result: Any, rank: int) -> bytes:
@@ -108,8 +99,9 @@ def _dump_result(result: Any, rank: int) -> bytes:
         ) from None
 
 
-def _report(run_dir: str, rank: int, stage: str, exc: BaseException) -> None:
+def _report(transport: wire.RankTransport, stage: str, exc: BaseException) -> None:
     when = time.monotonic()
+    rank = transport.rank
     tb = exc.__traceback__
     if stage == "run":
         # Drop air_magic's own frames (main, the cell runner): the user's frames start below them.
@@ -132,7 +124,7 @@ def _report(run_dir: str, rank: int, stage: str, exc: BaseException) -> None:
         exception=pickled,
     )
     try:
-        wire.write_atomically(wire.error_path(run_dir, rank), serialization.dumps(record))
+        transport.write_error(serialization.dumps(record))
     except Exception:  # noqa: BLE001 - the text still reaches the log
         pass
     # The traceback also goes to the rank's stderr, so the log tells the story on its own.

@@ -233,7 +233,3 @@ def _fresh_state(env: dict[str, str]) -> None:
             torch.set_num_threads(int(env["OMP_NUM_THREADS"]))  # read at import, before the fork
     # The starter's import caches may predate files created since (a module the caller just wrote).
     importlib.invalidate_caches()
-
-
-if __name__ == "__main__":
-    main(int(sys.argv[1]), json.loads(sys.argv[2]))

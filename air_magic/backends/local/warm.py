@@ -44,6 +44,7 @@ from typing import Any
 
 from air_magic import paths, private_files  # starter.log: 0600, never through a planted link
 from air_magic.errors import ConfigurationError
+from air_magic.process_tree import stop_trees
 from air_magic.protocol import env_names
 
 _BOOTSTRAP = (
@@ -52,6 +53,9 @@ _BOOTSTRAP = (
 )
 _lock = threading.Lock()
 _starter: Starter | None = None
+# A ready starter reads the EOF at once, kills its forks and exits in milliseconds; seconds
+# mean it is stuck (in a rank's fork, say), and then it is killed.
+STARTER_EXIT_S = 10.0
 
 
 def enabled() -> bool:
@@ -238,13 +242,8 @@ class Starter:
     def close(self) -> None:
         was_ready, self.broken = self.ready, True
         self.sock.close()  # EOF: the starter kills what it started and exits
-        if not was_ready:
-            self.proc.kill()  # still importing (or stuck there): it would not read the EOF soon
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        # Still importing (or stuck there), it would not read the EOF soon: no grace then.
+        stop_trees([self.proc], STARTER_EXIT_S if was_ready else 0, ask=None)
 
 
 def starter_wait_s() -> float:
