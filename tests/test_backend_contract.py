@@ -1,0 +1,262 @@
+"""The backend contract: the same tests for every backend (air_magic/backends/base.py).
+
+A backend is done when this suite passes for it. Each test runs a real call on
+real rank processes through the session layer (``session.call.run_call``), with
+the backend handed in explicitly, and checks what a user sees: the values,
+the error, the events, the log folder, and that nothing is left behind (the
+``no_leftovers`` fixture of conftest.py runs after every test).
+
+Backends today: ``local-fresh`` (a fresh interpreter per rank) and
+``local-warm`` (ranks forked from the warm starter). The Ray backend joins the
+list in ``BACKENDS`` when it lands.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import signal
+import stat
+import tempfile
+import threading
+import time
+
+import pytest
+
+from air_magic.backends.base import Backend
+from air_magic.backends.local.backend import LocalBackend
+from air_magic.errors import DistributedTimeoutError, LaunchError, RankFailedError
+from air_magic.launch.settings import make_settings
+from air_magic.protocol.events import RankExited, RankOutput, RankStarted, RankState, RunFinished, RunStarted
+from air_magic.session.call import run_call
+from air_magic.session.history import last_run
+
+BACKENDS = {
+    "local-fresh": lambda: LocalBackend(warm_start=False),
+    "local-warm": lambda: LocalBackend(warm_start=True),
+}
+
+
+@pytest.fixture(params=sorted(BACKENDS))
+def backend(request) -> Backend:
+    made = BACKENDS[request.param]()
+    assert made.name == request.param
+    if request.param == "local-warm":
+        request.getfixturevalue("starter")  # a ready starter: the ranks are forks, not fresh processes
+    return made
+
+
+class Recorder:
+    """A consumer that keeps every event, in the order the backend reported them."""
+
+    def __init__(self) -> None:
+        self.events: list[object] = []
+
+    def handle(self, event: object) -> None:
+        self.events.append(event)
+
+    def of(self, kind: type) -> list:
+        return [e for e in self.events if isinstance(e, kind)]
+
+
+def call(backend: Backend, fn, *args, n: int = 2, recorder: Recorder | None = None, **settings):
+    """One call of ``fn`` on ``n`` ranks of ``backend``; its RunResult."""
+    settings.setdefault("display", "none")
+    settings.setdefault("tracking", False)
+    made = make_settings(num_accelerators=n, **settings)
+    bound = inspect.signature(fn).bind(*args)
+    if recorder is not None:
+        backend = _Recording(backend, recorder)
+    return run_call(fn.__name__, fn, bound, made, backend=backend)
+
+
+class _Recording:
+    """The backend, with a recorder added to the consumers of its events."""
+
+    def __init__(self, inner: Backend, recorder: Recorder):
+        self.inner, self.recorder, self.name = inner, recorder, inner.name
+
+    def prepare(self, settings):
+        return self.inner.prepare(settings)
+
+    def run(self, request, bus):
+        bus.add(self.recorder)
+        return self.inner.run(request, bus)
+
+    def stop(self) -> None:
+        self.inner.stop()
+
+
+# -- rank functions (module level: they travel by reference to fresh and forked ranks alike) --
+
+
+def whoami(scale):
+    return int(os.environ["RANK"]) * scale, int(os.environ["WORLD_SIZE"]), os.getpid()
+
+
+class TrainingDiverged(ValueError):
+    """The user's own exception class: it must come back as itself, not as a wrapper."""
+
+
+def rank_one_raises():
+    if os.environ["RANK"] == "1":
+        raise TrainingDiverged("loss nan at step 7")
+    time.sleep(60)
+
+
+def rank_one_is_killed():
+    if os.environ["RANK"] == "1":
+        print("about to be killed", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(60)
+
+
+def rank_one_exits_0():
+    if os.environ["RANK"] == "1":
+        os._exit(0)
+    time.sleep(60)
+
+
+def prints_then_hangs():
+    print(f"rank {os.environ['RANK']} step 41", flush=True)
+    print(f"rank {os.environ['RANK']} step 42", flush=True)
+    time.sleep(600)
+
+
+def sleeps(ready_dir):
+    open(os.path.join(ready_dir, os.environ["RANK"]), "w").close()
+    time.sleep(600)
+
+
+def prints_in_order(lines):
+    import sys
+
+    for i in range(lines):
+        print(f"out {i}")
+        if i % 50 == 0:
+            print(f"err {i}", file=sys.stderr)
+    sys.stdout.flush()
+    os.write(1, b"from the fd, not sys.stdout\n")
+    return lines
+
+
+def writes_run_dir():
+    return os.environ["AIR_MAGIC_RUN_DIR"], os.environ["AIR_MAGIC_LOG_DIR"]
+
+
+# -- the contract --------------------------------------------------------------------------
+
+
+def test_results_come_back_in_rank_order(backend):
+    recorder = Recorder()
+    result = call(backend, whoami, 10, n=3, recorder=recorder)
+    values = result.unwrap()
+    assert [v[:2] for v in values] == [(0, 3), (10, 3), (20, 3)]
+    assert len({v[2] for v in values}) == 3  # three processes
+    assert result.outcome == "succeeded"
+    started = recorder.of(RankStarted)
+    assert sorted(e.rank for e in started) == [0, 1, 2]
+    assert {e.pid for e in started} == {v[2] for v in values}
+    assert [type(e) for e in (recorder.events[0], recorder.events[-1])] == [RunStarted, RunFinished]
+    assert all(e.state is RankState.SUCCEEDED for e in recorder.of(RankExited))
+
+
+def test_a_raising_rank_gives_its_original_exception(backend):
+    started = time.monotonic()
+    with pytest.raises(TrainingDiverged) as caught:
+        call(backend, rank_one_raises).unwrap()
+    assert time.monotonic() - started < 30  # the sleeping rank was stopped, not waited for
+    assert (str(caught.value), caught.value.air_magic_rank) == ("loss nan at step 7", 1)
+    assert "in rank_one_raises" in str(caught.value.__cause__)  # the rank's own traceback
+    assert last_run().rank_states == {0: "killed", 1: "failed"}
+
+
+def test_a_rank_killed_by_sigkill_is_named_with_its_signal(backend):
+    with pytest.raises(RankFailedError) as caught:
+        call(backend, rank_one_is_killed).unwrap()
+    message = str(caught.value)
+    assert "rank 1" in message and "SIGKILL" in message
+    assert "about to be killed" in message  # its last lines
+    assert last_run().rank_states[1] == "failed"
+
+
+def test_a_rank_that_exits_0_without_a_result_fails_the_call(backend):
+    with pytest.raises(RankFailedError) as caught:
+        call(backend, rank_one_exits_0).unwrap()
+    assert "rank 1" in str(caught.value)
+    assert last_run().outcome == "failed"
+
+
+def test_timeout_stops_every_rank_and_shows_their_last_lines(backend):
+    with pytest.raises(DistributedTimeoutError) as caught:
+        call(backend, prints_then_hangs, timeout=4).unwrap()
+    message = str(caught.value)
+    assert "timed out after 4 s" in message
+    assert "rank 0 step 42" in message and "rank 1 step 42" in message
+    assert sorted(caught.value.still_running) == [0, 1]
+    assert last_run().outcome == "timeout"
+
+
+def _when_ready(ready_dir: str, n: int, action) -> threading.Thread:
+    def wait_then_act() -> None:
+        deadline = time.monotonic() + 60
+        while len(os.listdir(ready_dir)) < n and time.monotonic() < deadline:
+            time.sleep(0.02)
+        action()
+
+    thread = threading.Thread(target=wait_then_act, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_an_interrupt_stops_every_rank_and_is_raised(backend, tmp_path):
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    main = threading.main_thread().ident
+    assert main == threading.get_ident()
+    try:
+        _when_ready(str(ready), 2, lambda: signal.pthread_kill(main, signal.SIGINT))
+        started = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            call(backend, sleeps, str(ready))
+        assert time.monotonic() - started < 30
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert last_run().outcome == "interrupted"
+    assert set(last_run().rank_states.values()) == {"killed"}
+
+
+def test_stop_from_another_thread_ends_the_call(backend, tmp_path):
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    _when_ready(str(ready), 2, backend.stop)
+    result = call(backend, sleeps, str(ready))
+    assert result.outcome == "interrupted"
+    with pytest.raises(LaunchError, match="was stopped"):
+        result.unwrap()
+    assert set(last_run().rank_states.values()) == {"killed"}
+    assert call(backend, whoami, 1).outcome == "succeeded"  # the backend serves the next call
+
+
+def test_output_is_captured_in_order_per_rank_and_stream(backend):
+    recorder = Recorder()
+    call(backend, prints_in_order, 300, recorder=recorder).unwrap()
+    for rank in (0, 1):
+        out = "".join(e.text for e in recorder.of(RankOutput) if e.rank == rank and e.stream == "stdout")
+        err = "".join(e.text for e in recorder.of(RankOutput) if e.rank == rank and e.stream == "stderr")
+        assert out.splitlines() == [f"out {i}" for i in range(300)] + ["from the fd, not sys.stdout"]
+        assert err.splitlines() == [f"err {i}" for i in range(0, 300, 50)]
+        with open(os.path.join(last_run().log_dir, f"rank-{rank}.log")) as f:
+            logged = f.read().splitlines()
+        assert [line for line in logged if line.startswith("out")] == [f"out {i}" for i in range(300)]
+        assert "from the fd, not sys.stdout" in logged
+
+
+def test_folders_are_private_and_the_call_folder_is_gone(backend):
+    (run_dir, log_dir), _ = call(backend, writes_run_dir).unwrap()
+    assert not os.path.exists(run_dir)  # removed after the call: the arguments were in it
+    assert os.path.dirname(run_dir) == tempfile.gettempdir()
+    assert stat.S_IMODE(os.stat(log_dir).st_mode) == 0o700
+    for name in os.listdir(log_dir):
+        assert stat.S_IMODE(os.stat(os.path.join(log_dir, name)).st_mode) == 0o600, name
