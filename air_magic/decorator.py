@@ -90,6 +90,9 @@ def distributed(
 ) -> Callable[[Callable[..., R]], DistributedFunction[R]]: ...
 
 
+# The keyword parameters are spelled out (not **settings) so that editors and help() show them;
+# tests/test_settings_schema.py checks that they are the schema's fields, and that this
+# docstring carries each field's help text.
 def distributed(
     num_accelerators: Any = None,
     accelerator_type: Any = None,
@@ -108,19 +111,29 @@ def distributed(
 ) -> Any:
     """Decorate a training function to run once per GPU (or CPU rank) via ``fn.distributed(...)``.
 
-    ``@distributed`` and ``@distributed()`` both work. Settings:
+    ``@distributed`` and ``@distributed()`` both work. Settings (``%%distributed?``
+    lists the same ones as options):
 
-    - ``num_accelerators``: ranks to run; default every visible GPU (2 CPU ranks without a GPU).
-    - ``accelerator_type``: ``'GPU_<n>x<MODEL>'``, checked against the machine; default auto-detected.
-    - ``timeout``: seconds (default 10800); ``None`` disables it.
-    - ``gpus`` / ``gpu_type``: legacy names of the two above (FutureWarning).
-    - ``display``: ``'auto'``, ``'text'`` (rank-prefixed lines) or ``'none'``.
-    - ``env``: extra environment variables for every rank.
-    - ``log_dir``: where per-rank logs go (default ``~/.local/state/air_magic/runs``).
-    - ``max_payload_bytes``: the pickled function and arguments must fit (default 512 MiB).
-    - ``tracking``: record the call as an MLflow run (default True when mlflow is installed).
-    - ``experiment`` / ``run_name``: the MLflow experiment and run name (defaults: see tracking.py).
-    - ``warm_start``: fork ranks from a process that has imported torch once (default True; warm.py).
+    - ``num_accelerators``: ranks to run, one per GPU. Default: every visible GPU;
+      2 CPU ranks without a GPU.
+    - ``accelerator_type``: the GPUs expected, GPU_<count>x<MODEL> such as GPU_8xH100,
+      checked against the machine. Default: detected.
+    - ``timeout``: seconds before the call is stopped. Default 10800; ``None``: no limit.
+    - ``gpus`` / ``gpu_type``: legacy names of the two first (FutureWarning).
+    - ``display``: how rank output is shown: auto (live tabs in Jupyter, else text), tabs,
+      text (lines prefixed with the rank), rank0 (rank 0's lines only) or none.
+      Default ``'auto'``.
+    - ``env``: extra environment variables for every rank, a dict of str to str.
+    - ``log_dir``: the folder for the call's rank logs. Default: ``$AIR_MAGIC_LOG_DIR``,
+      else ``~/.local/state/air_magic/runs``.
+    - ``max_payload_bytes``: the most bytes the pickled function and arguments may take.
+      Default 512 MiB.
+    - ``tracking``: record the call as an MLflow run, when mlflow is installed. Default True.
+    - ``warm_start``: fork ranks from a starter process that has imported torch once,
+      instead of starting fresh interpreters. Default True.
+    - ``experiment``: the MLflow experiment. Default: MLflow's own, else the notebook's
+      or script's name.
+    - ``run_name``: the MLflow run's name. Default: MLflow's.
     """
     if callable(num_accelerators) and not isinstance(num_accelerators, AcceleratorType):
         # Bare @distributed: the function came as the first argument.

@@ -125,7 +125,7 @@ def test_syntax_errors_fail_before_launch(ip):
 @pytest.mark.parametrize(
     ("line", "match"),
     [
-        ("--timeout soon", "--timeout takes seconds"),
+        ("--timeout soon", "--timeout: takes seconds"),
         ("--timeout 0", "timeout must be"),
         ("-n 0", "num_accelerators"),
         ("--accelerator-type GPU_8xH100", None),

@@ -1,17 +1,27 @@
-"""Launch settings: validation of what the user asked for, before anything starts.
+"""Launch settings: one schema, checked the same way from Python, the cell magic and the command line.
 
-The decorator, ``with_overrides`` and (later) the cell magic all go through
-:func:`make_settings`, so a setting is checked the same way everywhere and a
-mistake surfaces at decoration time, not minutes into a run.
+Each field of :class:`LaunchSettings` carries a :class:`Setting` in its
+``metadata``: its help text, its validator, how a command-line string becomes
+a value, and its flag. From that one schema come
+
+- :func:`make_settings`, which the decorator, ``with_overrides`` and the cell
+  magic all go through, so a mistake surfaces at decoration time (or before a
+  cell launches), not minutes into a run;
+- :func:`argument_specs` / :func:`add_arguments`, the argparse options of
+  ``%%distributed`` and (issue 17) of the command line;
+- :func:`settings_from_args`, the keywords for :func:`make_settings` from the
+  options a user gave (defaults stay the dataclass's, in one place).
 """
 
 from __future__ import annotations
 
+import argparse
+import functools
 import math
 import numbers
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any
 
 from air_magic.errors import ConfigurationError
@@ -25,98 +35,7 @@ DISPLAY_MODES = ("auto", "tabs", "text", "rank0", "none")
 _UNSET: Any = object()
 
 
-@dataclass(frozen=True)
-class LaunchSettings:
-    """Validated settings of one decorated function. Immutable; copy with overrides."""
-
-    num_accelerators: int | None = None
-    accelerator_type: AcceleratorSpec | None = None
-    timeout: float | None = DEFAULT_TIMEOUT
-    display: str = "auto"
-    env: Mapping[str, str] = field(default_factory=dict)
-    log_dir: str | None = None
-    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
-    tracking: bool = True
-    warm_start: bool = True
-    experiment: str | None = None
-    run_name: str | None = None
-
-    # The user's own spelling of every setting, so overrides re-validate as one.
-    raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
-
-
-def make_settings(base: Mapping[str, Any] | None = None, **given: Any) -> LaunchSettings:
-    """Validate ``given`` (keyword settings, legacy names allowed) on top of ``base``."""
-    given = {k: v for k, v in given.items() if v is not _UNSET}
-    given = _translate_legacy(given)
-    raw = {**(base or {}), **given}
-    unknown = set(raw) - _FIELDS
-    if unknown:
-        raise ConfigurationError(
-            f"unknown setting(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(_FIELDS))}"
-        )
-    return LaunchSettings(
-        num_accelerators=_check_count(raw.get("num_accelerators")),
-        accelerator_type=_check_type(raw.get("accelerator_type")),
-        timeout=_check_timeout(raw.get("timeout", DEFAULT_TIMEOUT)),
-        display=_check_display(raw.get("display", "auto")),
-        env=_check_env(raw.get("env")),
-        log_dir=_check_log_dir(raw.get("log_dir")),
-        max_payload_bytes=_check_payload_limit(raw.get("max_payload_bytes", DEFAULT_MAX_PAYLOAD_BYTES)),
-        tracking=_check_bool("tracking", raw.get("tracking", True)),
-        warm_start=_check_bool("warm_start", raw.get("warm_start", True)),
-        experiment=_check_name("experiment", raw.get("experiment")),
-        run_name=_check_name("run_name", raw.get("run_name")),
-        raw=raw,
-    )
-
-
-_FIELDS = {
-    "num_accelerators",
-    "accelerator_type",
-    "timeout",
-    "display",
-    "env",
-    "log_dir",
-    "max_payload_bytes",
-    "tracking",
-    "warm_start",
-    "experiment",
-    "run_name",
-}
-_LEGACY_NAMES = {"gpus": "num_accelerators", "gpu_type": "accelerator_type"}
-
-
-def _translate_legacy(given: dict[str, Any]) -> dict[str, Any]:
-    """Map ``gpus``/``gpu_type`` and legacy type values to today's names, with one FutureWarning."""
-    out = dict(given)
-    replacements: list[str] = []
-    for old, new in _LEGACY_NAMES.items():
-        if old not in out:
-            continue
-        value = out.pop(old)
-        if value is None:
-            continue
-        if given.get(new) is not None:
-            raise ConfigurationError(
-                f"both {old}= and {new}= were given; {old} is the legacy name of {new}, use only {new}="
-            )
-        out[new] = value
-        replacements.append(f"{old}= -> {new}=")
-    accel = out.get("accelerator_type")
-    if accel is not None and not isinstance(accel, AcceleratorType):
-        spec = _check_type(accel)
-        if spec is not None and spec.legacy:
-            from air_magic.launch.accelerators import LEGACY_TYPES
-
-            replacements.append(f"{str(accel)!r} -> {LEGACY_TYPES[str(accel).strip().lower()]!r}")
-    if replacements:
-        warn_at_user_line(
-            "air_magic: legacy setting(s) used; they still work but will be removed: "
-            + "; ".join(replacements),
-            FutureWarning,
-        )
-    return out
+# Validators: take what the user gave (any type), return the stored value or raise ConfigurationError.
 
 
 def _check_count(value: Any) -> int | None:
@@ -195,3 +114,347 @@ def _check_name(name: str, value: Any) -> str | None:
     if not isinstance(value, str) or not value.strip():
         raise ConfigurationError(f"{name} must be a non-empty string, got {value!r}")
     return value
+
+
+# Parsers: one command-line string to the value a Python caller would pass; ValueError if it is not one.
+
+
+def _parse_timeout(text: str) -> float | None:
+    return None if text.strip().lower() == "none" else float(text)
+
+
+def _parse_env(text: str) -> dict[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise ValueError(text)
+    return {key.strip(): value}
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What the schema knows of one setting; it lives in its field's ``metadata`` under ``"setting"``.
+
+    ``help`` is shared by the decorator's docstring and every command line, so
+    it names no spelling of its own (``None``/``none``, ``True``/``--x``): each
+    surface adds that (``takes``, the metavar, ``--x/--no-x``).
+    """
+
+    help: str
+    check: Callable[[Any], Any]
+    parse: Callable[[str], Any] = str
+    takes: str = "a value"  # what ``parse`` accepts, for its error message
+    short: str | None = None
+    flag: str | None = None  # default: ``--`` and the name with dashes
+    metavar: str | None = None
+    choices: tuple[str, ...] | None = None
+    switch: bool = False  # a boolean: ``--x`` / ``--no-x``
+    repeat: bool = False  # a mapping: the flag once per ``KEY=VALUE``, merged
+    default_text: str | None = None  # shown instead of the field's default ("" shows none)
+
+
+def _about(setting: Setting) -> dict[str, Setting]:
+    return {"setting": setting}
+
+
+@dataclass(frozen=True)
+class LaunchSettings:
+    """Validated settings of one decorated function. Immutable; copy with overrides.
+
+    Every field but ``raw`` is a setting; its ``metadata["setting"]`` says how
+    it is documented, checked and spelled on a command line.
+    """
+
+    num_accelerators: int | None = field(
+        default=None,
+        metadata=_about(
+            Setting(
+                help="ranks to run, one per GPU",
+                check=_check_count,
+                parse=int,
+                takes="a positive integer",
+                short="-n",
+                metavar="N",
+                default_text="every visible GPU; 2 CPU ranks without a GPU",
+            )
+        ),
+    )
+    accelerator_type: AcceleratorSpec | None = field(
+        default=None,
+        metadata=_about(
+            Setting(
+                help="the GPUs expected, GPU_<count>x<MODEL> such as GPU_8xH100, checked against the machine",
+                check=_check_type,
+                metavar="TYPE",
+                default_text="detected",
+            )
+        ),
+    )
+    timeout: float | None = field(
+        default=DEFAULT_TIMEOUT,
+        metadata=_about(
+            Setting(
+                help="seconds before the call is stopped",
+                check=_check_timeout,
+                parse=_parse_timeout,
+                takes="seconds or 'none'",
+                metavar="SECONDS|none",
+            )
+        ),
+    )
+    display: str = field(
+        default="auto",
+        metadata=_about(
+            Setting(
+                help="how rank output is shown: auto (live tabs in Jupyter, else text), tabs, "
+                "text (lines prefixed with the rank), rank0 (rank 0's lines only) or none",
+                check=_check_display,
+                choices=DISPLAY_MODES,
+                metavar="MODE",
+            )
+        ),
+    )
+    env: Mapping[str, str] = field(
+        default_factory=dict,
+        metadata=_about(
+            Setting(
+                help="extra environment variables for every rank",
+                check=_check_env,
+                parse=_parse_env,
+                takes="KEY=VALUE",
+                metavar="KEY=VALUE",
+                repeat=True,
+                default_text="",
+            )
+        ),
+    )
+    log_dir: str | None = field(
+        default=None,
+        metadata=_about(
+            Setting(
+                help="the folder for the call's rank logs",
+                check=_check_log_dir,
+                metavar="PATH",
+                default_text="$AIR_MAGIC_LOG_DIR, else ~/.local/state/air_magic/runs",
+            )
+        ),
+    )
+    max_payload_bytes: int = field(
+        default=DEFAULT_MAX_PAYLOAD_BYTES,
+        metadata=_about(
+            Setting(
+                help="the most bytes the pickled function and arguments may take",
+                check=_check_payload_limit,
+                parse=int,
+                takes="a positive integer",
+                metavar="BYTES",
+                default_text=f"{DEFAULT_MAX_PAYLOAD_BYTES // 2**20} MiB",
+            )
+        ),
+    )
+    tracking: bool = field(
+        default=True,
+        metadata=_about(
+            Setting(
+                help="record the call as an MLflow run, when mlflow is installed",
+                check=functools.partial(_check_bool, "tracking"),
+                switch=True,
+            )
+        ),
+    )
+    warm_start: bool = field(
+        default=True,
+        metadata=_about(
+            Setting(
+                help="fork ranks from a starter process that has imported torch once, "
+                "instead of starting fresh interpreters",
+                check=functools.partial(_check_bool, "warm_start"),
+                switch=True,
+            )
+        ),
+    )
+    experiment: str | None = field(
+        default=None,
+        metadata=_about(
+            Setting(
+                help="the MLflow experiment",
+                check=functools.partial(_check_name, "experiment"),
+                metavar="NAME",
+                default_text="MLflow's own, else the notebook's or script's name",
+            )
+        ),
+    )
+    run_name: str | None = field(
+        default=None,
+        metadata=_about(
+            Setting(
+                help="the MLflow run's name",
+                check=functools.partial(_check_name, "run_name"),
+                metavar="NAME",
+                default_text="MLflow's",
+            )
+        ),
+    )
+
+    # The user's own spelling of every setting, so overrides re-validate as one.
+    raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+
+def _field_default(f: Field[Any]) -> Any:
+    if f.default_factory is not MISSING:
+        return f.default_factory()
+    return f.default
+
+
+# The schema, in field order (the order of the help and of validation).
+SETTINGS: dict[str, Setting] = {
+    f.name: f.metadata["setting"] for f in fields(LaunchSettings) if "setting" in f.metadata
+}
+DEFAULTS: dict[str, Any] = {f.name: _field_default(f) for f in fields(LaunchSettings) if f.name in SETTINGS}
+_LEGACY_NAMES = {"gpus": "num_accelerators", "gpu_type": "accelerator_type"}
+
+
+def make_settings(base: Mapping[str, Any] | None = None, **given: Any) -> LaunchSettings:
+    """Validate ``given`` (keyword settings, legacy names allowed) on top of ``base``."""
+    given = {k: v for k, v in given.items() if v is not _UNSET}
+    given = _translate_legacy(given)
+    raw = {**(base or {}), **given}
+    unknown = set(raw) - set(SETTINGS)
+    if unknown:
+        raise ConfigurationError(
+            f"unknown setting(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(SETTINGS))}"
+        )
+    checked = {name: s.check(raw.get(name, DEFAULTS[name])) for name, s in SETTINGS.items()}
+    return LaunchSettings(**checked, raw=raw)
+
+
+def _translate_legacy(given: dict[str, Any]) -> dict[str, Any]:
+    """Map ``gpus``/``gpu_type`` and legacy type values to today's names, with one FutureWarning."""
+    out = dict(given)
+    replacements: list[str] = []
+    for old, new in _LEGACY_NAMES.items():
+        if old not in out:
+            continue
+        value = out.pop(old)
+        if value is None:
+            continue
+        if given.get(new) is not None:
+            raise ConfigurationError(
+                f"both {old}= and {new}= were given; {old} is the legacy name of {new}, use only {new}="
+            )
+        out[new] = value
+        replacements.append(f"{old}= -> {new}=")
+    accel = out.get("accelerator_type")
+    if accel is not None and not isinstance(accel, AcceleratorType):
+        spec = _check_type(accel)
+        if spec is not None and spec.legacy:
+            from air_magic.launch.accelerators import LEGACY_TYPES
+
+            replacements.append(f"{str(accel)!r} -> {LEGACY_TYPES[str(accel).strip().lower()]!r}")
+    if replacements:
+        warn_at_user_line(
+            "air_magic: legacy setting(s) used; they still work but will be removed: "
+            + "; ".join(replacements),
+            FutureWarning,
+        )
+    return out
+
+
+# Command lines: the cell magic now, ``air-magic run`` later (issue 17).
+
+
+def flags_of(name: str) -> tuple[str, ...]:
+    """The option strings of a setting: ``('-n', '--num-accelerators')``, ``('--timeout',)``..."""
+    setting = SETTINGS[name]
+    long = setting.flag or "--" + name.replace("_", "-")
+    return (setting.short, long) if setting.short else (long,)
+
+
+def help_of(name: str) -> str:
+    """A setting's help with its default, as a command line shows it."""
+    setting = SETTINGS[name]
+    shown = setting.default_text
+    if shown is None:
+        default = DEFAULTS[name]
+        if isinstance(default, bool):
+            shown = "on" if default else "off"
+        elif isinstance(default, float):
+            shown = f"{default:g}"
+        else:
+            shown = str(default)
+    # argparse %-formats help strings: a literal % must be doubled.
+    return (f"{setting.help} (default: {shown})" if shown else setting.help).replace("%", "%%")
+
+
+def argument_specs() -> list[tuple[tuple[str, ...], dict[str, Any]]]:
+    """``(flags, keywords)`` for ``add_argument``, one per setting, in schema order.
+
+    Every option defaults to ``argparse.SUPPRESS``: an option not given leaves
+    no attribute, so :func:`settings_from_args` passes only what the user said
+    and the defaults stay the dataclass's.
+    """
+    specs: list[tuple[tuple[str, ...], dict[str, Any]]] = []
+    for name, setting in SETTINGS.items():
+        keywords: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": help_of(name)}
+        if setting.switch:
+            keywords["action"] = argparse.BooleanOptionalAction
+        else:
+            keywords["type"] = _string_type(name)
+            keywords["metavar"] = setting.metavar
+            if setting.choices is not None:
+                keywords["choices"] = setting.choices
+            if setting.repeat:
+                keywords["action"] = _MergeAction
+        specs.append((flags_of(name), keywords))
+    return specs
+
+
+def add_arguments(parser: argparse._ActionsContainer) -> None:
+    """Add every setting as an option of ``parser`` (or of an argument group)."""
+    for flags, keywords in argument_specs():
+        parser.add_argument(*flags, **keywords)
+
+
+def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The :func:`make_settings` keywords of the setting options present in ``args``."""
+    return {name: getattr(args, name) for name in SETTINGS if hasattr(args, name)}
+
+
+def _string_type(name: str) -> Callable[[str], Any]:
+    """An argparse ``type=`` for a setting: parse the string, then validate it as Python would.
+
+    Checking here makes a bad value an argparse error that names the option
+    (``argument --timeout: ...``). It returns the parsed value, not the checked
+    one, so :func:`make_settings` still sees the user's spelling (a legacy
+    accelerator type warns there).
+    """
+    setting = SETTINGS[name]
+
+    def convert(text: str) -> Any:
+        try:
+            value = setting.parse(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"takes {setting.takes}, not {text!r}") from None
+        try:
+            setting.check(value)
+        except ConfigurationError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return value
+
+    convert.__name__ = name  # argparse names the type in some messages
+    return convert
+
+
+class _MergeAction(argparse.Action):
+    """``--env A=1 --env B=2``: merge each given mapping into one (a repeated key: the last wins)."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[Any] | None,
+        option_string: str | None = None,
+    ) -> None:
+        merged = dict(getattr(namespace, self.dest, None) or {})
+        if isinstance(values, Mapping):  # always: the type= above made it one
+            merged.update(values)
+        setattr(namespace, self.dest, merged)
