@@ -212,3 +212,8 @@ def test_every_help_is_in_the_magics_help(ip):
 def test_a_bad_value_is_a_usage_error_naming_the_option(ip, line, flag):
     with pytest.raises(UsageError, match=re.escape(flag)):
         ip.run_cell_magic("distributed", line, "1\n")  # the stub would raise _Launched
+
+
+def test_quoted_values_are_split_as_a_shell_would(ip):
+    made = magic_settings(ip, """--run-name "my first run" --experiment 'lr sweep' --env A='x y'""")
+    assert (made.run_name, made.experiment, dict(made.env)) == ("my first run", "lr sweep", {"A": "x y"})
