@@ -31,8 +31,8 @@ from air_magic.errors import ConfigurationError
 from air_magic.protocol.events import EventBus, RankOutput
 from air_magic.protocol.lines import MAX_PARTIAL, LineSplitter, visible
 
-KEEP_RUNS = 100
-TAIL_LINES = 20
+KEEP_RUNS = 100  # log folders kept under the default root: weeks of work, megabytes not gigabytes
+TAIL_LINES = 20  # last lines kept per rank for error messages (which show 5 to 10)
 
 
 _LOG_ROOT_FIX = "Pass log_dir= (or set AIR_MAGIC_LOG_DIR) to a folder only you can write"

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 from air_magic.protocol.lines import LineSplitter, visible
 
-MAX_LINES = 1000
-_MAX_LINE_CHARS = 10_000
+MAX_LINES = 1000  # per rank: what a person scrolls through; the log on disk has everything
+_MAX_LINE_CHARS = 10_000  # a longer line (a tensor printed whole) is cut for the browser, not the log
 
 
 @dataclass

@@ -30,7 +30,7 @@ from air_magic.protocol.events import (
     Tick,
 )
 
-FLUSH_S = 0.25
+FLUSH_S = 0.25  # at most 4 browser updates a second per rank: live to the eye, cheap for the kernel
 
 GLYPHS = {
     RankState.STARTING: "○",

@@ -12,7 +12,7 @@ from typing import Any
 
 from air_magic.protocol.events import Event, RankExited, RecordLink, RunFinished, RunStarted
 
-KEEP = 50
+KEEP = 50  # calls remembered per process (last_run() needs one; %distributed status shows one)
 
 
 @dataclass

@@ -20,6 +20,7 @@ LOOPBACK = "127.0.0.1"
 class RendezvousStore:
     """A TCPStore server on 127.0.0.1 for one run; ``close()`` releases it."""
 
+    # torch's own default for a store's waits (30 min): ranks that import for minutes still join.
     def __init__(self, world_size: int, timeout_s: float = 1800.0):
         import torch.distributed as dist  # the caller pays torch's import once per process
 

@@ -41,7 +41,7 @@ from typing import Any, NoReturn
 
 from air_magic.protocol import env_names
 
-_MAX_MESSAGE = 1 << 20
+_MAX_MESSAGE = 1 << 20  # a spawn request holds the rank's environment: large, never a megabyte
 
 
 def main(control_fd: int, preload: list[str]) -> None:

@@ -56,6 +56,10 @@ _starter: Starter | None = None
 # A ready starter reads the EOF at once, kills its forks and exits in milliseconds; seconds
 # mean it is stuck (in a rank's fork, say), and then it is killed.
 STARTER_EXIT_S = 10.0
+SPAWN_ANSWER_S = 30.0
+# torch imports in 2-5 s, and in a minute on a cold disk of a busy machine: past that, a preload hangs.
+STARTER_WAIT_S = 60.0
+_MAX_MESSAGE = 1 << 20  # starter messages are small JSON (a pid, an exit code): 1 MiB is never reached
 
 
 def enabled() -> bool:
@@ -187,7 +191,9 @@ class Starter:
                 "sigint_ignored": _sigint_ignored(),
             }
             socket.send_fds(self.sock, [json.dumps(request).encode()], fds)
-            deadline = time.monotonic() + 30.0
+            # A ready starter forks in milliseconds; one that takes this long is stuck, and the
+            # rank starts fresh instead (the caller's thread must not hang on a broken starter).
+            deadline = time.monotonic() + SPAWN_ANSWER_S
             while True:
                 # Exit reports of ranks started earlier can come first: they are stored, not answers.
                 reply = self._receive(max(0.0, deadline - time.monotonic()))
@@ -220,7 +226,7 @@ class Starter:
         if not ready:
             return None
         try:
-            data = self.sock.recv(1 << 20)
+            data = self.sock.recv(_MAX_MESSAGE)
         except OSError:
             data = b""
         if not data:
@@ -249,9 +255,9 @@ class Starter:
 def starter_wait_s() -> float:
     """How long a starter may take, in all, to become ready before calls give up on it."""
     try:
-        return max(0.0, float(os.environ.get(env_names.STARTER_WAIT, "60")))
+        return max(0.0, float(os.environ.get(env_names.STARTER_WAIT, str(STARTER_WAIT_S))))
     except ValueError:
-        return 60.0
+        return STARTER_WAIT_S
 
 
 _stuck: set[str] = set()  # fingerprints of starters that never became ready: go cold until restart()

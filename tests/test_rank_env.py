@@ -1,0 +1,33 @@
+"""Each rank's environment: torchrun's variables from where the backend places the rank."""
+
+from air_magic.launch.accelerators import GPU, AcceleratorPlan
+from air_magic.launch.rank_env import RankPlace, rank_environment
+
+GPUS = tuple(GPU(i, f"GPU-{i}", "NVIDIA H200") for i in range(4))
+
+
+def _env(place, master_addr="10.0.0.1", gpus=None):
+    plan = AcceleratorPlan(world_size=place.world_size, gpus=GPUS, detected="GPU_4xH200")
+    return rank_environment(
+        place=place, plan=plan, master_addr=master_addr, master_port=29600, run_id="r",
+        run_dir="/d", log_dir="/l", lifeline_fd=3, extra={}, base={}, gpus=gpus,
+    )  # fmt: skip
+
+
+def test_one_node_gives_torchruns_single_node_numbers():
+    env = _env(RankPlace.on_one_node(3, 4), master_addr="127.0.0.1")
+    assert {k: env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK")} == {
+        "RANK": "3", "LOCAL_RANK": "3", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4", "NODE_RANK": "0",
+    }  # fmt: skip
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("127.0.0.1", "29600")
+    assert env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
+
+
+def test_the_second_node_of_two_gets_its_own_place_and_gpus():
+    """Multi-node ready: the backend says where the rank stands and what its node has."""
+    place = RankPlace(rank=5, world_size=8, local_rank=1, local_world_size=4, node_rank=1)
+    env = _env(place, gpus=GPUS[2:])
+    assert (env["RANK"], env["LOCAL_RANK"], env["NODE_RANK"], env["GROUP_RANK"]) == ("5", "1", "1", "1")
+    assert (env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"], env["ROLE_RANK"]) == ("8", "4", "5")
+    assert env["MASTER_ADDR"] == "10.0.0.1"
+    assert env["CUDA_VISIBLE_DEVICES"] == "2,3"
