@@ -21,12 +21,12 @@ from mlflow.tracking import MlflowClient  # noqa: E402
 
 import air_magic  # noqa: E402
 from air_magic import distributed, paths  # noqa: E402
-from air_magic.tracking import run as tracking  # noqa: E402
 from air_magic.tracking import ui as mlflow_ui  # noqa: E402
+from air_magic.tracking.store import default_experiment_name  # noqa: E402
 
 
 def only_run(client, experiment=None):
-    experiment = experiment or tracking._default_experiment_name()  # here: pytest's own name
+    experiment = experiment or default_experiment_name()  # here: pytest's own name
     exp = client.get_experiment_by_name(experiment)
     assert exp is not None, [e.name for e in client.search_experiments()]
     runs = client.search_runs([exp.experiment_id])
@@ -76,7 +76,7 @@ def test_one_run_per_call_with_params_metrics_from_every_rank_and_logs(store):
     assert run.data.tags["air_magic.outcome"] == "succeeded"
     # A second call is a second run.
     fn.distributed(1)
-    exp = store.get_experiment_by_name(tracking._default_experiment_name())
+    exp = store.get_experiment_by_name(default_experiment_name())
     assert len(store.search_runs([exp.experiment_id])) == 2
 
 

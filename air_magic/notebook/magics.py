@@ -16,42 +16,65 @@ package). The cell magic turns the cell into a call of
    the sent values it changed in place, the names its ``from m import *``
    bound; names it deleted are deleted here. The cell's output is the list of
    every rank's value of its last expression.
+
+Options: every launch setting, generated from the schema in
+:mod:`air_magic.launch.settings` and spelled like the decorator's keywords
+(``-n/--num-accelerators``, ``--timeout SECONDS|none``, ``--env KEY=VALUE``
+repeated, ``--tracking/--no-tracking``, ``--warm-start/--no-warm-start``...),
+plus the magic's own ``--push``, ``--pull`` and ``--no-pull``. Decision:
+``--cold`` stays, documented and without a warning, as an alias of
+``--no-warm-start``, because existing notebooks use it and it costs one option.
+It belongs to the magic, not to the schema, so the command line (issue 17)
+does not start with two spellings of one setting.
 """
 
 from __future__ import annotations
 
+import argparse
 import ast
 import inspect
 import linecache
 import types
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.core.magic_arguments import argument, magic_arguments
+from IPython.utils.process import arg_split
 
 from air_magic import paths
 from air_magic.errors import ConfigurationError, PayloadError
 from air_magic.launch.accelerators import describe, detect_gpus
-from air_magic.launch.settings import DISPLAY_MODES, make_settings
+from air_magic.launch.settings import LaunchSettings, argument_specs, make_settings, settings_from_args
 from air_magic.notebook.cell_analysis import names_assigned, names_deleted, names_read, star_imports
 from air_magic.protocol import serialization
 from air_magic.session import call as session
 from air_magic.session import history
 from air_magic.worker import cell_runner
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _setting_options(func: _F) -> _F:
+    """One ``@argument`` per setting of the schema, listed in schema order by ``%%distributed?``."""
+    # Decorators apply bottom-up and IPython lists options top-down: apply them reversed.
+    for flags, keywords in reversed(argument_specs()):
+        func = argument(*flags, **keywords)(func)
+    return func
+
 
 @magics_class
 class DistributedMagics(Magics):
     @magic_arguments()
-    @argument("-n", "--num-accelerators", type=int, default=None, help="ranks to run (default: every GPU)")
-    @argument("--accelerator-type", default=None, help="e.g. GPU_8xH100; checked against this machine")
-    @argument("--timeout", default=None, help="seconds, or 'none' (default 10800)")
-    @argument("--display", default="auto", choices=DISPLAY_MODES, help="how rank output is shown")
-    @argument("--experiment", default=None, help="MLflow experiment name")
-    @argument("--run-name", default=None, help="MLflow run name")
-    @argument("--no-tracking", action="store_true", help="do not record an MLflow run")
-    @argument("--cold", action="store_true", help="start fresh interpreters, not warm forks")
+    @_setting_options
+    @argument(
+        "--cold",
+        dest="warm_start",
+        action="store_false",
+        default=argparse.SUPPRESS,
+        help="the same as --no-warm-start (kept for existing notebooks)",
+    )
     @argument("--push", default="", help="comma-separated names to send besides those detected")
     @argument("--pull", default=None, help="comma-separated names to bring back from rank 0")
     @argument("--no-pull", action="store_true", help="bring nothing back")
@@ -69,7 +92,9 @@ class DistributedMagics(Magics):
         level (``del x``) is deleted in the notebook. ``--pull`` brings back
         exactly the names given, ``--no-pull`` nothing.
         """
-        args = parse_argstring(self.distributed, line)
+        # Split as a shell would: --run-name "my run" is one value, without its quotes (IPython's own
+        # parse_argstring splits the non-POSIX way and keeps them).
+        args = self.distributed.parser.parse_args(arg_split(line, posix=True))
         settings = _settings(args)
         shell = self.shell
         assert shell is not None
@@ -144,30 +169,11 @@ _HELP = """%distributed status        the last run: outcome, time, each rank's s
 %%distributed [options]    run the cell on every rank (%%distributed? lists the options)"""
 
 
-def _settings(args: Any) -> Any:
-    timeout: Any = ...
-    if args.timeout is not None:
-        if args.timeout.lower() == "none":
-            timeout = None
-        else:
-            try:
-                timeout = float(args.timeout)
-            except ValueError:
-                raise UsageError(f"--timeout takes seconds or 'none', not {args.timeout!r}") from None
-    given: dict[str, Any] = {
-        "num_accelerators": args.num_accelerators,
-        "accelerator_type": args.accelerator_type,
-        "display": args.display,
-        "tracking": not args.no_tracking,
-        "warm_start": not args.cold,
-        "experiment": args.experiment,
-        "run_name": args.run_name,
-    }
-    if timeout is not ...:
-        given["timeout"] = timeout
+def _settings(args: argparse.Namespace) -> LaunchSettings:
+    """The cell's settings from the options given; each value was already checked by argparse."""
     try:
-        return make_settings(**given)
-    except ConfigurationError as exc:
+        return make_settings(**settings_from_args(args))
+    except ConfigurationError as exc:  # a check across settings, should one appear
         raise UsageError(str(exc)) from None
 
 
@@ -312,14 +318,15 @@ def _delete_what_the_cell_deleted(shell: Any, missing: list[str], deleted: set[s
 
 
 def _mlflow_ui() -> Any:
-    from air_magic.tracking import run as tracking
     from air_magic.tracking import ui as mlflow_ui
+    from air_magic.tracking.mlflow_import import import_mlflow
+    from air_magic.tracking.store import current_uri
 
     # Imported on a helper thread: a Ctrl-C here must not leave a half-imported mlflow behind.
-    if tracking.import_mlflow() is None:
+    if import_mlflow() is None:
         raise UsageError("MLflow is not installed: pip install 'air_magic[mlflow]'")
 
-    uri = tracking.current_uri()
+    uri = current_uri()
     base = mlflow_ui.start_ui(uri)
     from IPython.display import HTML, display
 

@@ -66,7 +66,10 @@ class MetricWriter:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        for _ in range(3):  # a store that failed once may answer on a retry
+        # A store that failed once may answer on a retry (a sqlite store busy for a moment);
+        # 3 passes, back to back, give it that chance without holding the call's end for long
+        # on a store that is down.
+        for _ in range(3):
             if self._safe_pass() and not self._pending:
                 break
         if self._pending:
@@ -84,6 +87,7 @@ class MetricWriter:
                         key, value, timestamp, step = line.split("\t")
                         self._pending.append(Metric(key, float(value), int(timestamp), int(step)))
                     except ValueError:
+                        # A line's start names it in the warning; a garbled line may be long.
                         self._warn(f"skipped a line that is not a metric: {line[:80]!r}")
             while self._pending:
                 batch = self._pending[:BATCH]

@@ -1,17 +1,8 @@
 """MLflow: one run per call, created in the caller before launch, ended truthfully after.
 
-- **Store.** The user's MLflow configuration wins: a tracking URI set with
-  ``mlflow.set_tracking_uri`` or ``MLFLOW_TRACKING_URI``, or, when the notebook
-  already has an active run or experiment, whatever store MLflow is using.
-  Otherwise air_magic uses an embedded sqlite store that needs no server:
-  ``$XDG_STATE_HOME/air_magic/mlflow/mlflow.db`` with artifacts beside it
-  (``AIR_MAGIC_MLFLOW_DIR`` moves both). Processes open it one at a time
-  (``flock`` on ``mlflow.db.lock``): MLflow makes its tables on first open, and
-  processes doing that at once fail.
-- **Experiment.** ``experiment=`` (``--experiment``), else the notebook's active
-  run's or active experiment, else ``MLFLOW_EXPERIMENT_ID`` /
-  ``MLFLOW_EXPERIMENT_NAME``, else the notebook's name (from Jupyter's
-  ``JPY_SESSION_NAME``) or the script's, else ``air_magic``.
+- **Where.** The store (tracking URI) and the experiment: :mod:`~air_magic.tracking.store`.
+  A remote (http/https) server gets bounded waits and a quick health check first:
+  :mod:`~air_magic.tracking.remote`.
 - **Nesting.** With an active run in the notebook, the call's run is its child.
 - **Ranks** get ``MLFLOW_TRACKING_URI``, ``MLFLOW_EXPERIMENT_ID`` and
   ``MLFLOW_RUN_ID``; ``rank_mlflow`` keeps a rank from ending or renaming the
@@ -24,31 +15,20 @@
   KILLED (interrupt), set in a ``finally``. Runs the ranks started under it and
   left RUNNING (a killed rank) end with it.
 - **Never on the caller's thread.** ``import mlflow`` and every MLflow request
-  run on helper threads (:func:`import_mlflow`, :class:`RunStart`); the
-  caller's thread only waits. So an interrupt at any moment stops a wait, never
-  an import half-way (which would break every later call) nor the run's end
-  (which would leave it RUNNING).
-- **An unreachable tracking server** (http/https) costs at most
-  :data:`REMOTE_CHECK_S` (or the call's ``timeout`` if shorter): one request to
-  its ``/health`` without retries, then one loud line, and the call runs
-  untracked. Why not fail the call: the ranks' work matters more than its
-  record, and their logs are kept on disk either way; why not MLflow's own
-  retries: 7 retries of up to 120 s each, twice, held every call for minutes
-  and ignored ``timeout=``. A server that answers is given
-  :data:`REMOTE_SETUP_S` to create the run and :data:`REMOTE_END_S` to confirm
-  its end; past that the call goes on and the work finishes in the background.
-  MLflow's own settings (``MLFLOW_HTTP_REQUEST_*``) are left as they are.
+  run on helper threads (:func:`~air_magic.tracking.mlflow_import.import_mlflow`,
+  :class:`RunStart`); the caller's thread only waits. So an interrupt at any
+  moment stops a wait, never an import half-way (which would break every later
+  call) nor the run's end (which would leave it RUNNING).
 
-``import mlflow`` costs seconds, so it happens only here, once per process,
-and only when tracking is on. Without mlflow installed a call runs untracked,
-with a one-line note.
+The session (``session/call.py``) describes the call in a :class:`CallFacts`,
+waits on a :class:`RunStart`, and hands the :class:`TrackedRun` it gives the
+launch events and, in a ``finally``, the call's outcome.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import fcntl
 import functools
 import importlib.metadata
 import os
@@ -57,12 +37,10 @@ import queue
 import re
 import shutil
 import socket
-import sys
 import threading
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from types import ModuleType
 from typing import Any
 
 from air_magic import paths, private_files
@@ -70,7 +48,9 @@ from air_magic._version import __version__
 from air_magic.launch.accelerators import AcceleratorPlan
 from air_magic.protocol import env_names
 from air_magic.protocol.events import Event, RecordLink, RunFinished, RunStarted
+from air_magic.tracking import remote, store
 from air_magic.tracking.metric_writer import MetricWriter
+from air_magic.tracking.mlflow_import import import_mlflow
 
 _STATUS = {
     "succeeded": "FINISHED",
@@ -79,16 +59,15 @@ _STATUS = {
     "interrupted": "KILLED",
     "untracked": "KILLED",  # made too late: the call had gone on without it
 }
-# A remote (http/https) tracking server: how long it gets to answer a health check, to create the
-# call's run (both also bounded by the call's timeout), and to confirm the run's end.
-REMOTE_CHECK_S = 5.0
-REMOTE_SETUP_S = 30.0
-REMOTE_END_S = 30.0
-AT_EXIT_WAIT_S = 30.0  # at interpreter exit: how long runs still open get to be ended
-_missing_said = False
-_imported: threading.Event | None = None  # set when the thread importing mlflow is done (import_mlflow)
-_import_failure: BaseException | None = None
-_reaped: set[str] = set()  # tracking URIs already checked for runs whose caller died
+# At interpreter exit: how long runs still open get to be ended (as long as a remote server gets).
+AT_EXIT_WAIT_S = 30.0
+# The error's first line as a tag, cut below MLflow's cap on a tag's value (5000 in 2.x, 8000 in 3.x).
+ERROR_TAG_CHARS = 4000
+# Child runs the ranks left RUNNING, ended with the call: one search, MLflow's largest page of runs
+# (a call has one child per rank at most, unless the ranks start many runs of their own).
+CHILD_SEARCH_LIMIT = 1000
+# A run's name, cut below MLflow's limit for it (a 250-character column).
+RUN_NAME_CHARS = 200
 _live: list[TrackedRun] = []  # runs of this process not yet ended (for atexit)
 
 
@@ -178,7 +157,7 @@ class TrackedRun:
         if self.failed_rank is not None:
             tags["air_magic.failed_rank"] = str(self.failed_rank)
         if self.error:
-            tags["air_magic.error"] = self.error.splitlines()[0][:4000]
+            tags["air_magic.error"] = self.error.splitlines()[0][:ERROR_TAG_CHARS]
         try:
             for key, value in tags.items():
                 self.client.set_tag(self.run_id, key, value)
@@ -210,7 +189,7 @@ class TrackedRun:
                 filter_string=(
                     f"tags.`mlflow.parentRunId` = '{self.run_id}' and attributes.status = 'RUNNING'"
                 ),
-                max_results=1000,
+                max_results=CHILD_SEARCH_LIMIT,
             )
             for child in children:
                 self.client.set_terminated(child.info.run_id, _STATUS.get(outcome, "FAILED"))
@@ -242,7 +221,7 @@ class RunStart:
     caller's thread only waits, and an interrupt only stops the wait: the owner thread finishes
     what it was doing, and :meth:`end`'s outcome ends the run, even one created after the
     interrupt (one not yet begun is not created). A wait on a thread can also be bounded: a
-    remote server gets :func:`_setup_wait_s`, then the call runs untracked.
+    remote server gets :func:`~air_magic.tracking.remote.setup_wait_s`, then the call runs untracked.
     """
 
     def __init__(self, call: CallFacts, log_root: str | None = None):
@@ -266,15 +245,17 @@ class RunStart:
         owner = threading.Thread(target=self._own, args=(mlflow, active), name="air_magic-run", daemon=True)
         owner.start()
         self._uri_known.wait()
-        limit = _setup_wait_s(self.uri, self._timeout)
+        limit = remote.setup_wait_s(self.uri, self._timeout)
         if not self._ready.wait(limit):
             self._jobs.put("untracked")  # the run, when it comes, is ended at once
-            _say_untracked(self.uri, f"did not create this call's run within {limit:g} s", self._log_root)
+            remote.say_untracked(
+                self.uri, f"did not create this call's run within {limit:g} s", self._log_root
+            )
             return None
         if self._error is not None:
             raise self._error
         if self._unreachable is not None:
-            _say_untracked(self.uri, self._unreachable, self._log_root)
+            remote.say_untracked(self.uri, self._unreachable, self._log_root)
         return self._tracked
 
     def end(self, outcome: str) -> None:
@@ -287,12 +268,13 @@ class RunStart:
     def _own(self, mlflow: Any, active: Any) -> None:
         """The owner thread: find the store, create the run, then do its work until its end."""
         try:
-            self.uri = _tracking_uri(mlflow, active)
+            self.uri = store.tracking_uri(mlflow, active)
             self._uri_known.set()
-            if _is_remote(self.uri):
-                self._unreachable = _unreachable(self.uri, _check_s(_setup_wait_s(self.uri, self._timeout)))
+            if remote.is_remote(self.uri):
+                check_s = remote.check_s(remote.setup_wait_s(self.uri, self._timeout))
+                self._unreachable = remote.unreachable(self.uri, check_s)
             if self._unreachable is None:
-                self._tracked = _create_run(mlflow, self.uri, active, self._jobs, self._call)
+                self._tracked = _create_run(self.uri, active, self._jobs, self._call)
         except BaseException as exc:  # noqa: BLE001 - raised again on the caller's thread
             self._error = exc
         finally:
@@ -302,100 +284,30 @@ class RunStart:
             self._tracked.serve()
 
 
-def import_mlflow() -> ModuleType | None:
-    """``mlflow``, imported once per process on a helper thread; None when it cannot be imported.
-
-    ``import mlflow`` takes seconds, and a KeyboardInterrupt inside it leaves half-initialised
-    mlflow and sqlalchemy modules in ``sys.modules``: every later ``import mlflow`` then fails
-    (``partially initialized module``) until a restart. Signals reach only the main thread, so
-    the import runs on another one and an interrupt stops only the wait. An import that fails
-    anyway is cleaned up (:func:`_forget_orphans`) and tried again on the next call.
-
-    The wait is on an Event, not ``Thread.join``: a join that an interrupt stops marks the
-    thread as stopped though it still runs (CPython 3.11), and the next join would not wait.
-    """
-    global _imported, _missing_said
-    imported = _imported
-    if imported is None:
-        imported = _imported = threading.Event()
-        threading.Thread(
-            target=_import_in_background, args=(imported,), name="air_magic-import-mlflow", daemon=True
-        ).start()
-    imported.wait()
-    failure = _import_failure
-    if failure is None:
-        return sys.modules["mlflow"]
-    _imported = None  # the next call tries again
-    if not _missing_said:
-        _missing_said = True
-        if isinstance(failure, ImportError):
-            why = "MLflow is not installed" + ("" if failure.name == "mlflow" else f" ({failure})")
-        else:
-            why = f"MLflow could not be imported ({type(failure).__name__}: {failure})"
-        print(
-            f"air_magic: {why}, so calls are not tracked "
-            "(pip install 'air_magic[mlflow]', or tracking=False to silence this)",
-            file=sys.stderr,
-        )
-    return None
-
-
-def _import_in_background(done: threading.Event) -> None:
-    global _import_failure
-    before = set(sys.modules)
-    try:
-        import mlflow  # noqa: F401
-        from mlflow.tracking import MlflowClient  # noqa: F401
-
-        _import_failure = None
-    except BaseException as exc:  # noqa: BLE001 - said on the caller's thread
-        _import_failure = exc
-        _forget_orphans(set(sys.modules) - before)
-    finally:
-        done.set()
-
-
-def _forget_orphans(new_modules: set[str]) -> None:
-    """Drop the modules of a failed import whose parent package did not survive it.
-
-    Python drops the module that failed, and its parents; submodules that had finished stay,
-    bound to a parent object no longer in ``sys.modules``, and a fresh import of the parent
-    would skip them (``has no attribute``). Complete top-level modules stay: importing a C
-    extension twice is worse than keeping it.
-    """
-    for name in sorted(new_modules, key=lambda n: n.count(".")):
-        parts = name.split(".")
-        parents = (".".join(parts[:i]) for i in range(1, len(parts)))
-        if any(parent not in sys.modules for parent in parents):
-            sys.modules.pop(name, None)
-
-
 def _create_run(
-    mlflow: Any, uri: str, active: Any, jobs: queue.SimpleQueue[Callable[[], object] | str], call: CallFacts
+    uri: str, active: Any, jobs: queue.SimpleQueue[Callable[[], object] | str], call: CallFacts
 ) -> TrackedRun | None:
     """Create the call's run (on its owner thread); None when the call ended before it began."""
     from mlflow.tracking import MlflowClient
 
-    with _store_setup_lock(uri):
+    with store.setup_lock(uri):
         client = MlflowClient(tracking_uri=uri)
-    if uri not in _reaped:
-        _reaped.add(uri)
-        _end_orphaned_runs(client)
-    experiment_id = _experiment_id(mlflow, client, uri, active, call.experiment)
+    store.end_orphaned_runs(client, uri)
+    experiment_id = store.experiment_id(client, uri, active, call.experiment)
     tags = {
         "mlflow.source.name": call.name,
         "mlflow.source.type": "NOTEBOOK" if call.kind == "cell" else "LOCAL",
     }
     tags["air_magic.kind"] = call.kind
     tags["air_magic.host"] = socket.gethostname()
-    tags["air_magic.caller"] = _caller_id()
+    tags["air_magic.caller"] = store.caller_id()
     if active is not None and active.info.experiment_id == experiment_id:
         tags["mlflow.parentRunId"] = active.info.run_id
     if not jobs.empty():
         return None  # the call was interrupted while its run was being prepared: nothing to record
     run = client.create_run(experiment_id, run_name=call.run_name or _run_name(call.name), tags=tags)
     run_id = run.info.run_id
-    end_wait_s = REMOTE_END_S if _is_remote(uri) else None
+    end_wait_s = remote.REMOTE_END_S if remote.is_remote(uri) else None
     tracked = TrackedRun(client, run_id, experiment_id, uri, None, {}, jobs=jobs, end_wait_s=end_wait_s)
     _live.append(tracked)
     try:
@@ -426,7 +338,7 @@ def _describe_call(tracked: TrackedRun, call: CallFacts) -> None:
 
     client.log_batch(run_id, params=[Param(k, str(v)) for k, v in params.items()])
     if call.source:
-        client.log_text(run_id, call.source, f"source/{_safe(call.name)}.py")
+        client.log_text(run_id, call.source, f"source/{store.safe_name(call.name)}.py")
     env = {
         "MLFLOW_TRACKING_URI": uri,
         "MLFLOW_EXPERIMENT_ID": experiment_id,
@@ -444,56 +356,6 @@ def _describe_call(tracked: TrackedRun, call: CallFacts) -> None:
     tracked.metrics = metrics
 
 
-def _caller_id() -> str:
-    """This process, in a form that survives pid reuse: ``pid:start-time``."""
-    import psutil
-
-    me = psutil.Process()
-    return f"{me.pid}:{me.create_time():.3f}"
-
-
-def _end_orphaned_runs(client: Any) -> None:
-    """Mark KILLED the runs of this machine whose caller died mid-call (kernel killed or restarted).
-
-    A process killed with SIGKILL cannot end its own run; the next process that
-    tracks into the same store does it for it, once, on its first call.
-    """
-    import psutil
-
-    try:
-        experiments = [e.experiment_id for e in client.search_experiments()]
-        if not experiments:
-            return
-        host = socket.gethostname().replace("'", "")
-        runs = client.search_runs(
-            experiments,
-            filter_string=f"attributes.status = 'RUNNING' and tags.`air_magic.host` = '{host}'",
-            max_results=200,
-        )
-        for run in runs:
-            caller = run.data.tags.get("air_magic.caller", "")
-            pid_text, _, started = caller.partition(":")
-            try:
-                caller_proc = psutil.Process(int(pid_text))
-                # Same pid and start time, and not a zombie (dead, waiting for its parent to reap it).
-                alive = (
-                    f"{caller_proc.create_time():.3f}" == started
-                    and caller_proc.status() != psutil.STATUS_ZOMBIE
-                )
-            except (ValueError, psutil.Error):
-                alive = False
-            if not alive:
-                client.set_tag(run.info.run_id, "air_magic.outcome", "caller ended")
-                client.set_tag(
-                    run.info.run_id,
-                    "air_magic.error",
-                    "the process that made this call ended before the call did (kernel restart or kill)",
-                )
-                client.set_terminated(run.info.run_id, "KILLED")
-    except Exception as exc:  # noqa: BLE001 - housekeeping must never stop a call
-        _warn(f"could not check for runs left RUNNING by ended processes: {exc}")
-
-
 @atexit.register
 def _end_live_runs() -> None:
     """A caller that exits in an orderly way mid-call (kernel shutdown) ends its runs as KILLED."""
@@ -501,153 +363,8 @@ def _end_live_runs() -> None:
         tracked.finish("interrupted", wait_s=AT_EXIT_WAIT_S)
 
 
-def current_uri() -> str:
-    """The tracking URI the next call would use."""
-    mlflow = import_mlflow()
-    if mlflow is None:
-        raise ImportError("mlflow could not be imported", name="mlflow")
-    return _tracking_uri(mlflow, mlflow.active_run())
-
-
-def _is_remote(uri: str) -> bool:
-    return uri.split(":", 1)[0].lower() in ("http", "https")
-
-
-def _setup_wait_s(uri: str, timeout: float | None) -> float | None:
-    """How long the call waits for its run: a remote server, bounded; a local store, until it is made."""
-    if not _is_remote(uri):
-        return None  # a local file or database: no network to wait on (an interrupt still stops the wait)
-    return REMOTE_SETUP_S if timeout is None else min(REMOTE_SETUP_S, timeout)
-
-
-def _check_s(setup_wait_s: float | None) -> float:
-    return REMOTE_CHECK_S if setup_wait_s is None else min(REMOTE_CHECK_S, setup_wait_s)
-
-
-def _unreachable(uri: str, seconds: float) -> str | None:
-    """Why the tracking server at ``uri`` cannot take this call's run, or None when it answers.
-
-    One request to its ``/health``, with MLflow's own credentials and TLS settings, no retry,
-    ``seconds`` to connect and as much to answer: a refused connection fails at once and a
-    server that accepts but never answers after ``seconds``, where MLflow's defaults (7
-    retries, 120 s each) would hold every call for minutes. Any HTTP answer counts as up.
-    """
-    from mlflow.utils.credentials import get_default_host_creds
-    from mlflow.utils.rest_utils import http_request
-
-    try:
-        http_request(
-            get_default_host_creds(uri),
-            "/health",
-            "GET",
-            max_retries=0,
-            backoff_factor=0,
-            timeout=seconds,
-            raise_on_status=False,
-        )
-    except Exception as exc:  # noqa: BLE001 - whatever the cause, the server cannot be used now
-        text = str(exc)
-        if "refused" in text.lower():
-            return "refused the connection"
-        if "timed out" in text.lower() or "timeout" in text.lower():
-            return f"did not answer within {seconds:g} s"
-        return f"could not be reached ({text.splitlines()[0][:300]})"
-    return None
-
-
-def _say_untracked(uri: str, why: str, log_root: str | None) -> None:
-    """One loud line: the call goes on, but MLflow will not have it."""
-    print(
-        f"air_magic: WARNING: the MLflow tracking server {uri} {why}: this call runs UNTRACKED "
-        f"(its rank logs are kept under {log_root or paths.default_log_root()})",
-        file=sys.stderr,
-        flush=True,
-    )
-
-
-@contextlib.contextmanager
-def _store_setup_lock(uri: str) -> Iterator[None]:
-    """For the embedded store: one process at a time opens it (``flock`` on ``mlflow.db.lock``).
-
-    Opening a sqlite store makes and migrates MLflow's tables when they are missing or old;
-    processes doing that at once fail (``table latest_metrics already exists``,
-    ``duplicate column name``). Each process opens a store once (MLflow caches it), so
-    the lock is taken once per process, and is over in milliseconds once the tables exist.
-    """
-    if uri != paths.embedded_mlflow_uri():
-        yield
-        return
-    path = os.path.join(paths.embedded_mlflow_dir(), paths.MLFLOW_DB_LOCK)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # releases the lock
-
-
-def _tracking_uri(mlflow: Any, active: Any) -> str:
-    from mlflow.tracking._tracking_service import utils
-
-    user_configured = utils.is_tracking_uri_set()
-    fluent = sys.modules.get("mlflow.tracking.fluent")
-    experiment_set = getattr(fluent, "_active_experiment_id", None) is not None
-    if user_configured or active is not None or experiment_set:
-        return str(mlflow.get_tracking_uri())
-    private_files.private_store(
-        paths.embedded_mlflow_dir(), paths.MLFLOW_DB, [paths.MLFLOW_ARTIFACTS]
-    )  # before MLflow opens it
-    return paths.embedded_mlflow_uri()
-
-
-def _experiment_id(mlflow: Any, client: Any, uri: str, active: Any, explicit: str | None) -> str:
-    if explicit is None:
-        if active is not None:
-            return str(active.info.experiment_id)
-        fluent = sys.modules.get("mlflow.tracking.fluent")
-        chosen = getattr(fluent, "_active_experiment_id", None)
-        if chosen is not None:
-            return str(chosen)
-        if os.environ.get("MLFLOW_EXPERIMENT_ID"):
-            return os.environ["MLFLOW_EXPERIMENT_ID"]
-    name = explicit or os.environ.get("MLFLOW_EXPERIMENT_NAME") or _default_experiment_name()
-    found = client.get_experiment_by_name(name)
-    if found is not None:
-        return str(found.experiment_id)
-    location = None
-    if uri == paths.embedded_mlflow_uri():
-        # Keep artifacts beside the embedded store, not in whatever the cwd is.
-        location = "file://" + os.path.join(paths.embedded_mlflow_dir(), paths.MLFLOW_ARTIFACTS, _safe(name))
-    try:
-        return str(client.create_experiment(name, artifact_location=location))
-    except Exception:  # another process may have created it first (re-raised below if not)
-        found = client.get_experiment_by_name(name)
-        if found is None:
-            raise
-        return str(found.experiment_id)
-
-
-def _default_experiment_name() -> str:
-    session = os.environ.get("JPY_SESSION_NAME")  # set by Jupyter for a notebook's kernel
-    if session:
-        return os.path.splitext(os.path.basename(session))[0] or "air_magic"
-    main = sys.modules.get("__main__")
-    path = getattr(main, "__file__", None)
-    if not path or os.path.basename(path).startswith("ipykernel_launcher"):
-        return "air_magic"
-    stem = os.path.splitext(os.path.basename(path))[0]
-    if stem == "__main__":  # python -m package: the package's name
-        spec = getattr(main, "__spec__", None)
-        stem = (getattr(spec, "parent", "") or "").split(".")[0] or "air_magic"
-    return stem
-
-
 def _run_name(name: str) -> str:
-    return re.sub(r"[^\w.\- \[\]]", "_", name)[:200]
-
-
-def _safe(name: str) -> str:
-    return re.sub(r"[^\w.-]+", "_", name).strip("_") or "run"
+    return re.sub(r"[^\w.\- \[\]]", "_", name)[:RUN_NAME_CHARS]
 
 
 def _version(package: str) -> str:

@@ -35,7 +35,11 @@ def run_url(uri: str, experiment_id: str, run_id: str) -> str | None:
 
 
 def start_ui(uri: str, timeout_s: float = 90.0) -> str:
-    """Start (once) an MLflow UI server for ``uri`` on loopback; return its base URL."""
+    """Start (once) an MLflow UI server for ``uri`` on loopback; return its base URL.
+
+    ``timeout_s``: ``mlflow server`` takes seconds to answer (it imports MLflow and its server
+    app, and migrates an old store first); 90 s leaves room for a loaded machine.
+    """
     if uri in _servers:
         return _servers[uri]
     if uri.startswith(("http://", "https://")):
@@ -80,6 +84,7 @@ def start_ui(uri: str, timeout_s: float = 90.0) -> str:
         if proc.poll() is not None:
             raise RuntimeError(f"the MLflow UI server exited with status {proc.returncode}; see {log_path}")
         try:
+            # 2 s: a loopback server that is up answers at once; one that hangs is asked again.
             with urllib.request.urlopen(f"{base}/health", timeout=2) as reply:
                 if reply.status == 200:
                     break
@@ -87,7 +92,7 @@ def start_ui(uri: str, timeout_s: float = 90.0) -> str:
             pass
         if time.monotonic() > deadline:
             raise RuntimeError(f"the MLflow UI server did not answer within {timeout_s:g} s; see {log_path}")
-        time.sleep(0.2)
+        time.sleep(0.2)  # 5 polls a second: ready soon after the server is, at negligible cost
     _servers[uri] = base
     return base
 

@@ -3,7 +3,6 @@
 MLflow's fluent calls insert one row per call (about 4.5 ms on a sqlite store,
 and every rank queues on the one database lock). When the rank imports
 ``mlflow.tracking.fluent``, :func:`patch_fluent` (called by ``rank_mlflow``'s
-from air_magic.protocol import env_names
 import hook) wraps both functions: a metric for the call's shared run is
 validated exactly as MLflow validates it, stamped with the caller's step and
 the time of the call, and appended as one line to
@@ -17,6 +16,11 @@ killed (SIGKILL, timeout, interrupt) loses nothing it logged. Everything else
 keeps MLflow's own path: another run, another tracking URI, ``synchronous=True``,
 a model or dataset link, params, tags, artifacts. ``AIR_MAGIC_METRICS=direct``
 turns the wrapping off.
+
+The wrapping uses MLflow APIs that are not public (``_validate_metric``,
+``RunOperations``, ``_get_or_start_run``; docs/architecture.md, "Private MLflow
+APIs we depend on"). An MLflow without them, or with other signatures, keeps
+its own path: metrics are slower, never lost, and rank 0 says so once.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 from types import ModuleType
 from typing import Any
 
@@ -65,10 +70,26 @@ def patch_fluent(fluent: ModuleType) -> None:
     """Route the fluent metric calls for the shared run through the rank's metric file."""
     if not enabled():
         return
-    from mlflow.environment_variables import MLFLOW_ENABLE_ASYNC_LOGGING
+    import inspect  # here, not above: a rank that never imports mlflow must not pay for it
+
     from mlflow.tracking import get_tracking_uri
-    from mlflow.utils.async_logging.run_operations import RunOperations
-    from mlflow.utils.validation import _validate_metric
+
+    try:
+        from mlflow.environment_variables import MLFLOW_ENABLE_ASYNC_LOGGING
+        from mlflow.utils.async_logging.run_operations import RunOperations
+        from mlflow.utils.validation import _validate_metric
+
+        inspect.signature(_validate_metric).bind("key", 0.0, 0, 0)  # called so below
+        RunOperations([])  # made so below: a finished operation
+    except (ImportError, TypeError, ValueError) as exc:
+        if os.environ.get("RANK", "0") == "0":  # once per call, not once per rank
+            warnings.warn(
+                f"air_magic: this MLflow lacks what batched metric logging uses ({exc}); "
+                "metrics take MLflow's own (slower) path",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return
 
     shared = os.environ[env_names.SHARED_RUN]
     uri = os.environ.get("MLFLOW_TRACKING_URI")

@@ -25,23 +25,42 @@ RUNNING.
 The hook also hands ``mlflow.tracking.fluent`` to ``rank_metrics``, which
 makes per-step metric logging cheap. Importing mlflow costs seconds, so
 nothing here imports it.
+
+**Why a finder of our own, not wrapt's post-import hooks.** Tried:
+``wrapt.register_post_import_hook`` does the same job (it too patches after the
+module's ``exec_module``, before ``mlflow/__init__`` binds ``start_run`` and
+``log_metric``, and calls the hook at once for a module already imported), and
+passed both cases (mlflow preloaded by a warm starter, and imported later by
+the rank). Not used for its cost: the hook must be in place before the rank's
+code runs, so ``import wrapt`` cannot wait for mlflow's import, and wrapt 2.5
+imports its whole package (asyncio and importlib.metadata among it): 56-60 ms
+in a fresh interpreter, +33 ms on top of ``air_magic.worker.entry``, which
+itself takes 30-46 ms (wrapt 1.17: 9 ms, +2 ms; ``python -X importtime``, min
+and median of 15 runs, the 2-core CPU machine). Every cold rank and every warm
+starter would pay it, and every install would need one more dependency, to
+replace the 30 lines below. Also, wrapt 2 fires a module's hooks once per
+process and then forgets them; this finder patches a module each time it is
+executed. The finder and its loader are duck-typed: subclassing ``importlib.abc``
+would cost a rank about 7 ms of imports (importlib.resources, tempfile, shutil).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.abc
 import importlib.machinery
 import os
 import sys
 import warnings
 from collections.abc import Callable, Iterator
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from air_magic.protocol import env_names
 from air_magic.worker import metrics as rank_metrics
+
+if TYPE_CHECKING:
+    from importlib.abc import Loader
 
 
 def install() -> None:
@@ -53,8 +72,8 @@ def install() -> None:
     sys.meta_path.insert(0, _MlflowHook())
 
 
-class _MlflowHook(importlib.abc.MetaPathFinder):
-    """Patches a module of :data:`_PATCHES` right after it is imported."""
+class _MlflowHook:
+    """Patches a module of :data:`_PATCHES` right after it is imported (a meta path finder)."""
 
     def find_spec(
         self, fullname: str, path: Any, target: Any = None
@@ -67,12 +86,14 @@ class _MlflowHook(importlib.abc.MetaPathFinder):
                 continue
             spec = finder.find_spec(fullname, path, target)
             if spec is not None and spec.loader is not None:
-                spec.loader = _PatchingLoader(spec.loader, patch)
+                spec.loader = cast("Loader", _PatchingLoader(spec.loader, patch))
                 return spec
         return None
 
 
-class _PatchingLoader(importlib.abc.Loader):
+class _PatchingLoader:
+    """The module's own loader, then the patch."""
+
     def __init__(self, loader: Any, patch: Callable[[ModuleType], None]):
         self._loader = loader
         self._patch = patch
@@ -142,7 +163,7 @@ def _start_own_runs_as_children(fluent: ModuleType) -> None:
             return original(**given)
         active = fluent.active_run()
         same_store = not shared_uri or get_tracking_uri() == shared_uri
-        experiment = experiment_id if experiment_id is not None else fluent._active_experiment_id
+        experiment = experiment_id if experiment_id is not None else _chosen_experiment(fluent)
         other_experiment = experiment is not None and str(experiment) != shared_experiment
         own = run_name is not None or parent_run_id is not None or not same_store or other_experiment
         if active is None and not own:
@@ -158,6 +179,18 @@ def _start_own_runs_as_children(fluent: ModuleType) -> None:
     package = sys.modules.get("mlflow")
     if package is not None and getattr(package, "start_run", None) is original:
         setattr(package, "start_run", start_run)  # noqa: B010 - mlflow was preloaded (a warm starter)
+
+
+def _chosen_experiment(fluent: ModuleType) -> Any:
+    """The rank's ``set_experiment()`` choice: MLflow's private ``_active_experiment_id``.
+
+    Without it (a future MLflow), ``MLFLOW_EXPERIMENT_ID``, which ``set_experiment()`` also
+    sets, and which is the shared run's experiment until the rank changes it.
+    """
+    try:
+        return fluent._active_experiment_id
+    except AttributeError:
+        return os.environ.get("MLFLOW_EXPERIMENT_ID")
 
 
 def _warn_not_renamed(run_name: str) -> None:

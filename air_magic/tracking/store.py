@@ -1,0 +1,222 @@
+"""Where a call's run goes: the store (tracking URI), the experiment, and the store's upkeep.
+
+- **Store.** The user's MLflow configuration wins: a tracking URI set with
+  ``mlflow.set_tracking_uri`` or ``MLFLOW_TRACKING_URI``, or, when the notebook
+  already has an active run or experiment, whatever store MLflow is using.
+  Otherwise air_magic uses an embedded sqlite store that needs no server:
+  ``$XDG_STATE_HOME/air_magic/mlflow/mlflow.db`` with artifacts beside it
+  (``AIR_MAGIC_MLFLOW_DIR`` moves both). Processes open it one at a time
+  (``flock`` on ``mlflow.db.lock``, :func:`setup_lock`): MLflow makes its tables
+  on first open, and processes doing that at once fail.
+- **Experiment.** ``experiment=`` (``--experiment``), else the notebook's active
+  run's or active experiment, else ``MLFLOW_EXPERIMENT_ID`` /
+  ``MLFLOW_EXPERIMENT_NAME``, else the notebook's name (from Jupyter's
+  ``JPY_SESSION_NAME``) or the script's, else ``air_magic``.
+- **Runs whose caller died.** A process killed with SIGKILL cannot end its own
+  run; the next process that tracks into the same store marks it KILLED, once,
+  on its first call (:func:`end_orphaned_runs`).
+
+Everything here that talks to MLflow runs on the run's owner thread
+(run.py's :class:`~air_magic.tracking.run.RunStart`), never on the caller's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import re
+import socket
+import sys
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+from air_magic import paths, private_files
+from air_magic.tracking.mlflow_import import import_mlflow
+
+_reaped: set[str] = set()  # tracking URIs already checked for runs whose caller died
+# How many RUNNING runs of this host one check looks at: more than one host ever has open (one
+# per call in flight, per process); a store with more is cleaned over several processes' checks.
+ORPHAN_SEARCH_LIMIT = 200
+
+
+def current_uri() -> str:
+    """The tracking URI the next call would use."""
+    mlflow = import_mlflow()
+    if mlflow is None:
+        raise ImportError("mlflow could not be imported", name="mlflow")
+    return tracking_uri(mlflow, mlflow.active_run())
+
+
+def tracking_uri(mlflow: Any, active: Any) -> str:
+    """The user's store when they chose one (or use one: an active run or experiment), else ours."""
+    if _user_set_tracking_uri() or active is not None or active_experiment_id() is not None:
+        return str(mlflow.get_tracking_uri())
+    private_files.private_store(
+        paths.embedded_mlflow_dir(), paths.MLFLOW_DB, [paths.MLFLOW_ARTIFACTS]
+    )  # before MLflow opens it
+    return paths.embedded_mlflow_uri()
+
+
+def _user_set_tracking_uri() -> bool:
+    """``mlflow.set_tracking_uri()`` was called, or ``MLFLOW_TRACKING_URI`` is set.
+
+    MLflow's own answer is private (``is_tracking_uri_set``); without it only the variable is
+    seen, and a notebook's ``set_tracking_uri()`` alone is missed (its calls then use the
+    embedded store), said in a warning.
+    """
+    try:
+        from mlflow.tracking._tracking_service.utils import is_tracking_uri_set
+    except ImportError as exc:
+        _warn(f"cannot tell whether set_tracking_uri() was called ({exc}); only MLFLOW_TRACKING_URI counts")
+        return bool(os.environ.get("MLFLOW_TRACKING_URI"))
+    return bool(is_tracking_uri_set())
+
+
+def active_experiment_id() -> str | None:
+    """The experiment the notebook chose with ``mlflow.set_experiment()``.
+
+    MLflow keeps it in a private global; without it (a future MLflow), ``MLFLOW_EXPERIMENT_ID``,
+    which ``set_experiment()`` also sets (a user's own value then counts as a choice too).
+    """
+    fluent = sys.modules.get("mlflow.tracking.fluent")
+    if fluent is None:
+        return None
+    try:
+        chosen = fluent._active_experiment_id
+    except AttributeError:
+        chosen = os.environ.get("MLFLOW_EXPERIMENT_ID") or None
+    return None if chosen is None else str(chosen)
+
+
+@contextlib.contextmanager
+def setup_lock(uri: str) -> Iterator[None]:
+    """For the embedded store: one process at a time opens it (``flock`` on ``mlflow.db.lock``).
+
+    Opening a sqlite store makes and migrates MLflow's tables when they are missing or old;
+    processes doing that at once fail (``table latest_metrics already exists``,
+    ``duplicate column name``). Each process opens a store once (MLflow caches it), so
+    the lock is taken once per process, and is over in milliseconds once the tables exist.
+    """
+    if uri != paths.embedded_mlflow_uri():
+        yield
+        return
+    path = os.path.join(paths.embedded_mlflow_dir(), paths.MLFLOW_DB_LOCK)
+    # 0600: the store's folder is the user's alone (docs/security.md), and so is what is in it.
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def experiment_id(client: Any, uri: str, active: Any, explicit: str | None) -> str:
+    """The call's experiment (see the module's docstring), created when it does not exist yet."""
+    if explicit is None:
+        if active is not None:
+            return str(active.info.experiment_id)
+        chosen = active_experiment_id()
+        if chosen is not None:
+            return chosen
+        if os.environ.get("MLFLOW_EXPERIMENT_ID"):
+            return os.environ["MLFLOW_EXPERIMENT_ID"]
+    name = explicit or os.environ.get("MLFLOW_EXPERIMENT_NAME") or default_experiment_name()
+    found = client.get_experiment_by_name(name)
+    if found is not None:
+        return str(found.experiment_id)
+    location = None
+    if uri == paths.embedded_mlflow_uri():
+        # Keep artifacts beside the embedded store, not in whatever the cwd is.
+        location = "file://" + os.path.join(
+            paths.embedded_mlflow_dir(), paths.MLFLOW_ARTIFACTS, safe_name(name)
+        )
+    try:
+        return str(client.create_experiment(name, artifact_location=location))
+    except Exception:  # another process may have created it first (re-raised below if not)
+        found = client.get_experiment_by_name(name)
+        if found is None:
+            raise
+        return str(found.experiment_id)
+
+
+def default_experiment_name() -> str:
+    """The notebook's name, else the script's (or ``python -m``'s package), else ``air_magic``."""
+    session = os.environ.get("JPY_SESSION_NAME")  # set by Jupyter for a notebook's kernel
+    if session:
+        return os.path.splitext(os.path.basename(session))[0] or "air_magic"
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if not path or os.path.basename(path).startswith("ipykernel_launcher"):
+        return "air_magic"
+    stem = os.path.splitext(os.path.basename(path))[0]
+    if stem == "__main__":  # python -m package: the package's name
+        spec = getattr(main, "__spec__", None)
+        stem = (getattr(spec, "parent", "") or "").split(".")[0] or "air_magic"
+    return stem
+
+
+def safe_name(name: str) -> str:
+    """``name`` as one safe path component."""
+    return re.sub(r"[^\w.-]+", "_", name).strip("_") or "run"
+
+
+def caller_id() -> str:
+    """This process, in a form that survives pid reuse: ``pid:start-time``."""
+    import psutil
+
+    me = psutil.Process()
+    # Milliseconds: finer than the kernel's start-time clock (10 ms ticks), so the text is exact
+    # and compares equal when read back from another process (end_orphaned_runs).
+    return f"{me.pid}:{me.create_time():.3f}"
+
+
+def end_orphaned_runs(client: Any, uri: str) -> None:
+    """Once per store and process: mark KILLED the runs of this machine whose caller died mid-call.
+
+    A process killed with SIGKILL (or a kernel restarted) cannot end its own run; the next
+    process that tracks into the same store does it for it, once, on its first call.
+    """
+    if uri in _reaped:
+        return
+    _reaped.add(uri)
+    import psutil
+
+    try:
+        experiments = [e.experiment_id for e in client.search_experiments()]
+        if not experiments:
+            return
+        host = socket.gethostname().replace("'", "")
+        runs = client.search_runs(
+            experiments,
+            filter_string=f"attributes.status = 'RUNNING' and tags.`air_magic.host` = '{host}'",
+            max_results=ORPHAN_SEARCH_LIMIT,
+        )
+        for run in runs:
+            caller = run.data.tags.get("air_magic.caller", "")
+            pid_text, _, started = caller.partition(":")
+            try:
+                caller_proc = psutil.Process(int(pid_text))
+                # Same pid and start time, and not a zombie (dead, waiting for its parent to reap it).
+                alive = (
+                    f"{caller_proc.create_time():.3f}" == started
+                    and caller_proc.status() != psutil.STATUS_ZOMBIE
+                )
+            except (ValueError, psutil.Error):
+                alive = False
+            if not alive:
+                client.set_tag(run.info.run_id, "air_magic.outcome", "caller ended")
+                client.set_tag(
+                    run.info.run_id,
+                    "air_magic.error",
+                    "the process that made this call ended before the call did (kernel restart or kill)",
+                )
+                client.set_terminated(run.info.run_id, "KILLED")
+    except Exception as exc:  # noqa: BLE001 - housekeeping must never stop a call
+        _warn(f"could not check for runs left RUNNING by ended processes: {exc}")
+
+
+def _warn(message: str) -> None:
+    with contextlib.suppress(Exception):
+        warnings.warn(f"air_magic: {message}", RuntimeWarning, stacklevel=3)
