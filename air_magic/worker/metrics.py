@@ -66,30 +66,39 @@ class _MetricFile:
             data = data[os.write(fd, data) :]
 
 
-def patch_fluent(fluent: ModuleType) -> None:
-    """Route the fluent metric calls for the shared run through the rank's metric file."""
-    if not enabled():
-        return
+def _batching_supported() -> bool:
+    """This MLflow has the private pieces batched logging uses, called as we call them (else: said once)."""
     import inspect  # here, not above: a rank that never imports mlflow must not pay for it
 
-    from mlflow.tracking import get_tracking_uri
-
     try:
-        from mlflow.environment_variables import MLFLOW_ENABLE_ASYNC_LOGGING
+        from mlflow.environment_variables import MLFLOW_ENABLE_ASYNC_LOGGING  # noqa: F401
         from mlflow.utils.async_logging.run_operations import RunOperations
         from mlflow.utils.validation import _validate_metric
 
-        inspect.signature(_validate_metric).bind("key", 0.0, 0, 0)  # called so below
-        RunOperations([])  # made so below: a finished operation
+        inspect.signature(_validate_metric).bind("key", 0.0, 0, 0)  # called so in patch_fluent
+        RunOperations([])  # made so in patch_fluent: a finished operation
     except (ImportError, TypeError, ValueError) as exc:
         if os.environ.get("RANK", "0") == "0":  # once per call, not once per rank
             warnings.warn(
                 f"air_magic: this MLflow lacks what batched metric logging uses ({exc}); "
                 "metrics take MLflow's own (slower) path",
                 RuntimeWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
+        return False
+    return True
+
+
+def patch_fluent(fluent: ModuleType) -> None:
+    """Route the fluent metric calls for the shared run through the rank's metric file."""
+    if not enabled():
         return
+    if not _batching_supported():
+        return
+    from mlflow.environment_variables import MLFLOW_ENABLE_ASYNC_LOGGING
+    from mlflow.tracking import get_tracking_uri
+    from mlflow.utils.async_logging.run_operations import RunOperations
+    from mlflow.utils.validation import _validate_metric
 
     shared = os.environ[env_names.SHARED_RUN]
     uri = os.environ.get("MLFLOW_TRACKING_URI")
