@@ -1,8 +1,14 @@
 #!/usr/bin/env bash
 # One command from a fresh machine: set up, lint, type-check and run every test.
 # Extra arguments go to pytest (e.g. scripts/test.sh -k failures).
+# --fast: the same set-up and checks, then only the tests not marked slow (under a minute).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+fast=0
+args=()
+for arg in "$@"; do
+    if [ "$arg" = --fast ]; then fast=1; else args+=("$arg"); fi
+done
 scripts/setup.sh test
 venv=${AIR_MAGIC_VENV:-.venv}
 
@@ -19,4 +25,8 @@ if [ ! -x /usr/bin/chromium ]; then
 fi
 echo "== ruff";   "$venv/bin/ruff" check . && "$venv/bin/ruff" format --check .
 echo "== mypy";   "$venv/bin/mypy"
-echo "== pytest"; "$venv/bin/python" -m pytest "$@"
+if [ "$fast" = 1 ]; then
+    echo "== pytest (fast: not slow)"; "$venv/bin/python" -m pytest -m "not slow" ${args[@]+"${args[@]}"}
+else
+    echo "== pytest"; "$venv/bin/python" -m pytest "$@"
+fi

@@ -29,6 +29,9 @@ def pytest_configure(config: pytest.Config) -> None:
     libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
 
+# Every test of these files is slow (an MLflow store or server, or a subprocess first importing
+# MLflow: 1-30 s a test); their own tests carry no marker. Other slow tests are marked where they
+# are written (@pytest.mark.slow, or pytestmark for a whole file).
 @pytest.fixture(scope="session", autouse=True)
 def _private_dirs(tmp_path_factory: pytest.TempPathFactory):
     """Logs, run directories and the MLflow store of the session go to folders we can inspect."""
@@ -100,6 +103,15 @@ def no_leftovers():
     assert not described, f"processes left behind: {described}"
     stray = [n for n in os.listdir(tempfile.gettempdir()) if n.startswith("air_magic-")]
     assert not stray, f"run directories left behind: {stray}"
+
+
+@pytest.fixture
+def ip():
+    """IPython's shell with ``%load_ext air_magic`` (tests/helpers/kernel.air_magic_shell)."""
+    from helpers.kernel import air_magic_shell
+
+    with air_magic_shell() as shell:
+        yield shell
 
 
 @pytest.fixture

@@ -37,7 +37,12 @@ BACKENDS = {
 }
 
 
-@pytest.fixture(params=sorted(BACKENDS))
+# local-warm rebuilds the warm starter for each test (1-2 s): its half of the suite is slow.
+SLOW = {"local-warm"}
+PARAMS = [pytest.param(name, marks=pytest.mark.slow if name in SLOW else ()) for name in sorted(BACKENDS)]
+
+
+@pytest.fixture(params=PARAMS)
 def backend(request) -> Backend:
     made = BACKENDS[request.param]()
     assert made.name == request.param
@@ -187,6 +192,7 @@ def test_a_rank_that_exits_0_without_a_result_fails_the_call(backend):
     assert last_run().outcome == "failed"
 
 
+@pytest.mark.slow
 def test_timeout_stops_every_rank_and_shows_their_last_lines(backend):
     with pytest.raises(DistributedTimeoutError) as caught:
         call(backend, prints_then_hangs, timeout=4).unwrap()

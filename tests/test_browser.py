@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 CHROMIUM = "/usr/bin/chromium"
+pytestmark = pytest.mark.slow  # a JupyterLab server and a browser (15-20 s a test)
 pytest.importorskip("jupyterlab")
 pytest.importorskip("tqdm")
 playwright_api = pytest.importorskip("playwright.sync_api")

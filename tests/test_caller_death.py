@@ -12,6 +12,7 @@ import psutil
 import pytest
 
 CALLER = os.path.join(os.path.dirname(__file__), "helpers", "caller.py")
+pytestmark = pytest.mark.slow  # a caller process of its own, started cold (4-10 s a test)
 
 
 def _start_caller(tmp_path, mode):

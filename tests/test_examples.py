@@ -39,6 +39,7 @@ def examples_path(monkeypatch):
     monkeypatch.syspath_prepend(str(EXAMPLES))
 
 
+@pytest.mark.slow
 def test_ddp_example_learns_on_two_cpu_ranks(examples_path):
     import ddp_progress
 
@@ -50,6 +51,7 @@ def test_ddp_example_learns_on_two_cpu_ranks(examples_path):
     assert results[0]["accuracy"] == results[1]["accuracy"]  # all-reduced: one number for all ranks
 
 
+@pytest.mark.slow
 def test_fsdp2_example_learns_on_two_cpu_ranks(examples_path):
     import fsdp2_transformer
 

@@ -145,6 +145,7 @@ def _hang():
     time.sleep(600)
 
 
+@pytest.mark.slow
 @pytest.mark.fault(
     "a hang, stopped by timeout",
     "DistributedTimeoutError listing the ranks still running and their last lines",
@@ -241,6 +242,7 @@ def _spawns_children_then_fails():
     time.sleep(60)
 
 
+@pytest.mark.slow
 @pytest.mark.fault(
     "a failing rank's children (DataLoader-like, and one that left the group)", "all stopped with the rank"
 )
@@ -347,6 +349,7 @@ def _stuck_in_a_collective():
     dist.all_reduce(t)
 
 
+@pytest.mark.slow
 @pytest.mark.fault("a hang in a gloo collective", "stopped by the timeout")
 def test_hang_in_a_gloo_collective_is_stopped_by_the_timeout():
     with pytest.raises(DistributedTimeoutError) as info:
@@ -375,6 +378,7 @@ def _escaped_child_then_sigkill():
     time.sleep(60)
 
 
+@pytest.mark.slow
 @pytest.mark.fault(
     "a SIGKILLed rank's children that left its process group", "stopped too (seen while the run went)"
 )

@@ -37,6 +37,7 @@ def hanging_preload(tmp_path, monkeypatch):
     restart_warm_start()
 
 
+@pytest.mark.slow
 @fault(
     "the warm starter never becomes ready, call with timeout=5",
     "a timeout error after about 5 s that names the starter; no rank is blamed, none ran",
@@ -54,6 +55,7 @@ def test_a_starter_that_never_gets_ready_is_bounded_by_the_timeout(hanging_prelo
     assert air_magic.last_run().rank_states == {}
 
 
+@pytest.mark.slow
 @fault(
     "the warm starter never becomes ready, no timeout",
     "after AIR_MAGIC_STARTER_WAIT it is dropped (said once) and the call runs fresh ranks; "
@@ -89,6 +91,7 @@ def _kill_the_starter_after_returning():
     return int(os.environ["RANK"]) * 10
 
 
+@pytest.mark.slow
 @fault(
     "the warm starter is killed after the ranks returned, before they exit",
     "the results already written count: the call succeeds; the next call gets a new starter",
@@ -112,6 +115,7 @@ def _kill_the_starter_then_die():
     time.sleep(30)
 
 
+@pytest.mark.slow
 @fault(
     "the warm starter is killed, then a rank dies without a result",
     "that rank is named with its status unknown (the starter died), not as an out-of-memory kill",
@@ -201,6 +205,7 @@ def test_an_unusable_log_folder_gives_a_clear_error(tmp_path):
         ).distributed()
 
 
+@pytest.mark.slow
 def test_the_starter_log_goes_to_log_dir(tmp_path):
     restart_warm_start()
     logs = tmp_path / "logs"

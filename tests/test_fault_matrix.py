@@ -59,6 +59,7 @@ def _print_forever():
         i += 1
 
 
+@pytest.mark.slow
 @fault(
     "timeout while the ranks print as fast as they can",
     "DistributedTimeoutError; logs hold an unbroken run of lines",
@@ -195,6 +196,7 @@ def _quiet():
     return 1
 
 
+@pytest.mark.slow
 @fault("50 calls back to back", "no leak of file descriptors, threads, temp dirs or processes")
 def test_fifty_calls_leak_nothing():
     fn = distributed(num_accelerators=2, display="text")(_quiet)

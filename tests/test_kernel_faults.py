@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import queue
 import signal
-import threading
 import time
 
 import psutil
@@ -23,6 +22,7 @@ from helpers.kernel import Kernel
 from air_magic.session.history import RunInfo
 
 fault = pytest.mark.fault
+pytestmark = pytest.mark.slow  # a Jupyter kernel, or two, per test (2-9 s a test)
 
 WAIT_FOR_RANKS = (
     "%%distributed -n 2 --display text\n"
@@ -74,10 +74,9 @@ def _start_and_wait(kernel: Kernel, then) -> tuple[list[int], str, str]:
 
 @pytest.fixture
 def kernel(tmp_path):
-    k = Kernel(cwd=tmp_path)
-    k.run("%load_ext air_magic\nimport air_magic")
-    yield k
-    k.close()
+    with Kernel(cwd=tmp_path) as k:
+        k.run("%load_ext air_magic\nimport air_magic")
+        yield k
 
 
 @fault(
@@ -95,23 +94,15 @@ def test_interrupt_mid_run(kernel):
     assert reply["status"] == "ok"
 
 
-def _restart_in_background(kernel: Kernel):
-    # restart_kernel waits for the old kernel to go: do it beside the test, which watches the ranks.
-    threading.Thread(target=kernel.km.restart_kernel, kwargs={"now": True}, daemon=True).start()
-
-
 @fault("kernel restart mid-run", "every rank gone within 5 s; the run is marked KILLED by the next call")
 def test_kernel_restart_mid_run(kernel):
     old_pid = kernel.pid
-    pids, run_id, _ = _start_and_wait(kernel, lambda: _restart_in_background(kernel))
+    # restart_kernel waits for the old kernel to go: it runs beside the test, which watches the ranks,
+    # and nothing reads the kernel's state until the restart is over and the new kernel answers.
+    pids, run_id, _ = _start_and_wait(kernel, kernel.restart_in_background)
     assert _gone_within(pids)
-    deadline = time.monotonic() + 60
-    while (kernel.pid in (old_pid, None) or not kernel.km.is_alive()) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    kernel.kc.wait_for_ready(timeout=60)
-    reply, _ = kernel.run(
-        "%load_ext air_magic\n%%distributed -n 2 --display none\n1\n".replace("\n%%", "\n\n%%")
-    )
+    assert kernel.wait_restarted() != old_pid
+    assert kernel.run("%load_ext air_magic")[0]["status"] == "ok"
     reply, _ = kernel.run("%%distributed -n 2 --display none\n1\n")
     assert reply["status"] == "ok"
     assert _run_id_status(run_id) == "KILLED"
@@ -121,20 +112,16 @@ def test_kernel_restart_mid_run(kernel):
 def test_kernel_sigkill_mid_run(kernel, tmp_path):
     pids, run_id, _ = _start_and_wait(kernel, lambda: os.kill(kernel.pid, signal.SIGKILL))
     assert _gone_within(pids)
-    fresh = Kernel(cwd=tmp_path)
-    try:
+    with Kernel(cwd=tmp_path) as fresh:
         reply, _ = fresh.run("%load_ext air_magic")
         reply, _ = fresh.run("%%distributed -n 2 --display none\n1\n")
         assert reply["status"] == "ok"
-    finally:
-        fresh.close()
     assert _run_id_status(run_id) == "KILLED"
 
 
 @fault("two kernels launching at once", "both succeed, each on its own rendezvous port")
 def test_two_kernels_at_once(kernel, tmp_path):
-    other = Kernel(cwd=tmp_path)
-    try:
+    with Kernel(cwd=tmp_path) as other:
         other.run("%load_ext air_magic")
         cell = (
             "%%distributed -n 2 --display none\n"
@@ -150,8 +137,6 @@ def test_two_kernels_at_once(kernel, tmp_path):
         replies = [kernel.kc.get_shell_msg(timeout=120), other.kc.get_shell_msg(timeout=120)]
         assert [r["parent_header"]["msg_id"] for r in replies] == [first, second]
         assert all(r["content"]["status"] == "ok" for r in replies), replies
-    finally:
-        other.close()
 
 
 CELL_FAULTS = {
@@ -190,10 +175,6 @@ def test_cell_magic_failures_in_a_kernel(kernel, case):
         assert "notebook variable 'guard'" in shown
     else:
         assert "rank" in shown
-        texts: list[str] = []
-        kernel.run(
-            "print(air_magic.last_run().mlflow_run_id)",
-            on_message=lambda m: texts.append(m["content"]["text"]) if m["msg_type"] == "stream" else None,
-        )
-        assert _run_id_status("".join(texts).strip()) == "FAILED"
+        run_id = kernel.printed("print(air_magic.last_run().mlflow_run_id)").strip()
+        assert _run_id_status(run_id) == "FAILED"
     assert kernel.run("2 + 2")[0]["status"] == "ok"

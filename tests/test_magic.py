@@ -12,14 +12,6 @@ from IPython.utils.capture import capture_output
 import air_magic
 
 
-@pytest.fixture
-def ip():
-    shell = InteractiveShell.instance()
-    shell.run_line_magic("load_ext", "air_magic")
-    yield shell
-    shell.run_line_magic("unload_ext", "air_magic")
-
-
 def cell(ip, line, body):
     with capture_output() as captured:
         result = ip.run_cell_magic("distributed", line, body)

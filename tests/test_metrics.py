@@ -13,6 +13,8 @@ import time
 
 import pytest
 
+pytestmark = pytest.mark.slow  # real MLflow stores, servers and tracked calls: seconds each
+
 mlflow = pytest.importorskip("mlflow")
 from conftest import interrupt_tracked_caller  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402

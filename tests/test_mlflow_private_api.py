@@ -22,6 +22,8 @@ from typing import Any
 
 import pytest
 
+pytestmark = pytest.mark.slow  # real MLflow stores, servers and tracked calls: seconds each
+
 mlflow = pytest.importorskip("mlflow")
 from mlflow.tracking import fluent  # noqa: E402
 

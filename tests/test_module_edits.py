@@ -44,6 +44,7 @@ def edit(path):
     os.utime(path, ns=(before + 2_000_000_000, before + 2_000_000_000))
 
 
+@pytest.mark.slow
 def test_ranks_run_the_loaded_version_until_reload(edited_module, capfd):
     mod = importlib.import_module("air_magic_probe_mod")
     assert mod.probe.distributed() == [("old body", "old helper")] * 2

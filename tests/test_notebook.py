@@ -13,11 +13,12 @@ import psutil
 import pytest
 
 nbformat = pytest.importorskip("nbformat")
-nbclient = pytest.importorskip("nbclient")
+pytest.importorskip("nbclient")
 pytest.importorskip("ipywidgets")
-from helpers.kernel import EXAMPLES, Kernel  # noqa: E402
+from helpers.kernel import EXAMPLES, Kernel, notebook_client  # noqa: E402
 
 WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
+pytestmark = pytest.mark.slow  # a Jupyter kernel per test (5-9 s a test)
 
 
 def widget_models(nb, name):
@@ -27,14 +28,7 @@ def widget_models(nb, name):
 
 def test_the_example_notebook_runs_with_one_live_tab_per_rank():
     nb = nbformat.read(EXAMPLES / "quickstart.ipynb", as_version=4)
-    client = nbclient.NotebookClient(
-        nb,
-        timeout=180,
-        kernel_name="python3",
-        store_widget_state=True,
-        resources={"metadata": {"path": EXAMPLES}},
-    )
-    client.execute()
+    notebook_client(nb, timeout=180).execute()
     code = [c for c in nb.cells if c.cell_type == "code"]
     # The decorator's result, and the magic's last-expression values.
     assert code[1].outputs[-1]["data"]["text/plain"] == "[30.0, 30.0]"
@@ -57,9 +51,8 @@ def test_the_example_notebook_runs_with_one_live_tab_per_rank():
 
 @pytest.fixture
 def kernel():
-    k = Kernel()
-    yield k
-    k.close()
+    with Kernel() as k:
+        yield k
 
 
 def test_interrupting_the_kernel_stops_every_rank_and_the_kernel_stays_usable(kernel):
@@ -126,16 +119,8 @@ def test_a_flood_of_output_keeps_every_line_and_bounds_the_kernels_messages(kern
     print(f"\n{2 * lines} lines in {elapsed:.1f} s; kernel messages to the frontend: {counts}")
     # Updates are batched by time (every 0.25 s per tab), not sent per line.
     assert comm < 2 * lines / 100
-    log_dir = _last_stream(kernel, "print(air_magic.last_run().log_dir)").strip()
+    log_dir = kernel.printed("print(air_magic.last_run().log_dir)").strip()
     for rank in (0, 1):
         with open(os.path.join(log_dir, f"rank-{rank}.log")) as f:
             got = f.read().splitlines()
         assert got == [f"rank {rank} line {i}" for i in range(lines)]
-
-
-def _last_stream(kernel, code):
-    texts: list[str] = []
-    kernel.run(
-        code, on_message=lambda m: texts.append(m["content"]["text"]) if m["msg_type"] == "stream" else None
-    )
-    return "".join(texts)

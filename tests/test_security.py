@@ -81,6 +81,7 @@ def test_with_gloo_every_listening_socket_is_on_loopback():
         assert ips == ["127.0.0.1"]
 
 
+@pytest.mark.slow
 def test_log_and_mlflow_folders_are_private():
     distributed(num_accelerators=2, display="none")(lambda: 1).distributed()
     info = air_magic.last_run()
@@ -230,6 +231,7 @@ def test_an_embedded_store_folder_of_another_user_is_refused_before_launch(store
     assert os.listdir(theirs) == []
 
 
+@pytest.mark.slow
 def test_the_embedded_store_and_the_starter_log_are_0600_files_in_0700_folders(store, tmp_path, monkeypatch):
     monkeypatch.setenv("AIR_MAGIC_MLFLOW_DIR", str(tmp_path / "fresh"))  # a store MLflow has not opened yet
     distributed(num_accelerators=2, display="none")(_quiet).distributed()  # logs, source, metrics
@@ -244,6 +246,7 @@ def test_the_embedded_store_and_the_starter_log_are_0600_files_in_0700_folders(s
     assert stat.S_IMODE(os.stat(starter_log).st_mode) == 0o600
 
 
+@pytest.mark.slow
 def test_the_ui_server_log_and_everything_it_writes_are_private(store, tmp_path, monkeypatch):
     from air_magic.tracking import ui as mlflow_ui
 
@@ -265,6 +268,7 @@ def test_the_ui_server_log_and_everything_it_writes_are_private(store, tmp_path,
 TRACKED_CALLER = os.path.join(os.path.dirname(__file__), "helpers", "tracked_caller.py")
 
 
+@pytest.mark.slow
 def test_the_next_call_sweeps_the_private_folders_of_a_sigkilled_caller_and_no_others(tmp_path):
     tmp = tempfile.gettempdir()
     ready = tmp_path / "ready"

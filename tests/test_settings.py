@@ -138,11 +138,3 @@ def test_other_settings_are_checked():
         distributed(env={"A": 1})
     with pytest.raises(ConfigurationError, match="max_payload_bytes"):
         distributed(max_payload_bytes=0)
-
-
-def test_public_names():
-    import air_magic
-
-    assert air_magic.__all__ == sorted(air_magic.__all__, key=str)
-    for name in air_magic.__all__:
-        assert hasattr(air_magic, name)

@@ -18,7 +18,6 @@ import pytest
 
 pytest.importorskip("IPython")
 from IPython.core.error import UsageError
-from IPython.core.interactiveshell import InteractiveShell
 from IPython.utils.capture import capture_output
 
 from air_magic import distributed
@@ -62,13 +61,10 @@ def _no_launch(name, fn, bound, settings, **kwargs):
 
 
 @pytest.fixture
-def ip(monkeypatch):
-    """A real shell with the extension loaded, whose cells stop where they would launch."""
+def ip(ip, monkeypatch):
+    """The shared shell (conftest.py), whose cells stop where they would launch."""
     monkeypatch.setattr(session, "run_call", _no_launch)
-    shell = InteractiveShell.instance()
-    shell.run_line_magic("load_ext", "air_magic")
-    yield shell
-    shell.run_line_magic("unload_ext", "air_magic")
+    return ip
 
 
 def magic_settings(ip, line: str) -> LaunchSettings:

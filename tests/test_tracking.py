@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # real MLflow stores, servers and tracked calls: seconds each
+
 mlflow = pytest.importorskip("mlflow")
 from conftest import interrupt_tracked_caller  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
@@ -168,14 +170,11 @@ def test_a_started_ui_serves_the_embedded_store_and_works_as_an_http_tracking_se
         with urllib.request.urlopen(url, timeout=10) as page:
             assert page.status == 200
         # The line magic finds the same server rather than starting another.
-        from IPython.core.interactiveshell import InteractiveShell
+        from helpers.kernel import air_magic_shell
         from IPython.utils.capture import capture_output
 
-        ip = InteractiveShell.instance()
-        ip.run_line_magic("load_ext", "air_magic")
-        with capture_output() as shown:
+        with air_magic_shell() as ip, capture_output() as shown:
             ip.run_line_magic("distributed", "mlflow-ui")
-        ip.run_line_magic("unload_ext", "air_magic")
         assert f"MLflow UI: {base}" in shown.stdout
         # 2. An HTTP tracking URI: the user's configuration wins; ranks log through the server.
         monkeypatch.setenv("MLFLOW_TRACKING_URI", base)
@@ -193,22 +192,14 @@ def test_a_started_ui_serves_the_embedded_store_and_works_as_an_http_tracking_se
         mlflow_ui.stop_ui()
 
 
-def test_the_cell_magic_names_experiment_and_run_and_can_turn_tracking_off(store):
-    from IPython.core.interactiveshell import InteractiveShell
+def test_the_cell_magic_names_experiment_and_run_and_can_turn_tracking_off(store, ip):
     from IPython.utils.capture import capture_output
 
-    ip = InteractiveShell.instance()
-    ip.run_line_magic("load_ext", "air_magic")
-    try:
-        with capture_output():
-            ip.run_cell_magic(
-                "distributed", "-n 2 --display none --experiment cells --run-name my-cell", "x = 1\n"
-            )
-            ip.run_cell_magic(
-                "distributed", "-n 2 --display none --experiment cells --no-tracking", "x = 2\n"
-            )
-    finally:
-        ip.run_line_magic("unload_ext", "air_magic")
+    with capture_output():
+        ip.run_cell_magic(
+            "distributed", "-n 2 --display none --experiment cells --run-name my-cell", "x = 1\n"
+        )
+        ip.run_cell_magic("distributed", "-n 2 --display none --experiment cells --no-tracking", "x = 2\n")
     run = only_run(store, "cells")
     assert run.data.tags["mlflow.runName"] == "my-cell" and run.data.tags["air_magic.kind"] == "cell"
     (source_file,) = [a.path for a in store.list_artifacts(run.info.run_id, "source")]

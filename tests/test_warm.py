@@ -50,6 +50,7 @@ def test_cold_ranks_when_asked(starter):
     assert {f["parent"] for f in facts} == {os.getpid()}
 
 
+@pytest.mark.slow
 def test_the_starter_is_rebuilt_when_stale_and_on_request(starter, monkeypatch):
     first = starter.proc.pid
     restart_warm_start()
@@ -81,6 +82,7 @@ def test_a_rank_error_from_a_warm_rank_is_the_same(starter):
     assert info.value.air_magic_rank == 1
 
 
+@pytest.mark.slow
 def test_ranks_that_end_while_others_are_still_being_started(starter):
     """Exit reports of early ranks arrive while later ranks are spawned: they must not be taken
     for the answer to a spawn (that once made pid 1 a 'rank', so teardown signalled everything)."""

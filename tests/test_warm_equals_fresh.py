@@ -23,6 +23,7 @@ from air_magic.backends.local import warm
 from air_magic.errors import DistributedTimeoutError
 
 MODES = [pytest.param(True, id="warm"), pytest.param(False, id="fresh")]
+pytestmark = pytest.mark.slow  # each test rebuilds the warm starter, twice (2-8 s a test)
 
 # Set per call or per process by design: compared only by presence.
 _PER_CALL = {

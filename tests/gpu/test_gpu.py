@@ -141,19 +141,15 @@ NOTEBOOKS = {
 }
 
 
-def _kernel_pid(client) -> int | None:
-    km = getattr(client, "km", None)
-    process = getattr(getattr(km, "provisioner", None), "process", None)
-    return getattr(process, "pid", None)
-
-
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", list(NOTEBOOKS))
 def test_example_notebook_on_every_gpu_while_the_kernel_holds_no_cuda_context(name):
     import threading
 
     nbformat = pytest.importorskip("nbformat")
-    nbclient = pytest.importorskip("nbclient")
+    pytest.importorskip("nbclient")
+    from helpers.kernel import kernel_pid, notebook_client
+
     if name.startswith("deepspeed"):
         pytest.importorskip("deepspeed")
     nb = nbformat.read(os.path.join(EXAMPLES, name), as_version=4)
@@ -163,19 +159,13 @@ def test_example_notebook_on_every_gpu_while_the_kernel_holds_no_cuda_context(na
         "print('KERNEL_CUDA', bool(_t and _t.cuda.is_initialized()))"
     )
     nb.cells.append(nbformat.v4.new_code_cell(probe))
-    client = nbclient.NotebookClient(
-        nb,
-        timeout=600,
-        kernel_name="python3",
-        store_widget_state=True,
-        resources={"metadata": {"path": EXAMPLES}},
-    )
+    client = notebook_client(nb, timeout=600, path=EXAMPLES)
     seen: dict[str, set[int]] = {"on_gpu": set(), "kernel": set()}
     done = threading.Event()
 
     def watch() -> None:  # NVML, every 0.2 s, for as long as the notebook runs
         while not done.wait(0.2):
-            pid = _kernel_pid(client)
+            pid = kernel_pid(getattr(client, "km", None))
             if pid:
                 seen["kernel"].add(pid)
             seen["on_gpu"] |= pids_on_gpus()

@@ -1,0 +1,55 @@
+"""The public surface is a contract: exactly these names, each importable, and a cheap import."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import air_magic
+
+PUBLIC = [
+    "AcceleratorError",
+    "AcceleratorType",
+    "AirMagicError",
+    "ConfigurationError",
+    "DirectCallError",
+    "DistributedFunction",
+    "DistributedTimeoutError",
+    "LaunchError",
+    "PayloadError",
+    "RankFailedError",
+    "RemoteTraceback",
+    "RunInfo",
+    "__version__",
+    "distributed",
+    "init_process_group",
+    "last_run",
+    "load_ipython_extension",
+    "restart_warm_start",
+    "unload_ipython_extension",
+]
+
+
+def test_all_is_exactly_the_public_names():
+    assert air_magic.__all__ == PUBLIC  # a name added or removed is a decision: change this list too
+
+
+def test_every_public_name_is_there():
+    missing = [name for name in PUBLIC if not hasattr(air_magic, name)]
+    assert not missing
+
+
+def test_star_import_gives_exactly_the_public_names():
+    namespace: dict[str, object] = {}
+    exec("from air_magic import *", namespace)
+    assert sorted(set(namespace) - {"__builtins__"}) == sorted(PUBLIC)
+    for name in PUBLIC:
+        assert namespace[name] is getattr(air_magic, name)
+
+
+def test_importing_the_package_imports_nothing_heavy():
+    heavy = ("torch", "IPython", "ipywidgets", "mlflow")
+    code = f"import json, sys, air_magic; print(json.dumps([m for m in {heavy!r} if m in sys.modules]))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert json.loads(out.stdout) == []
