@@ -49,7 +49,9 @@ from air_magic.errors import ConfigurationError
 
 TEMP_PREFIX = paths.TEMP_PREFIX
 # mkdtemp's random part is [a-z0-9_]: the owner, after the last '.', cannot be mistaken for it.
-_OWNED_NAME = re.compile(r"^air_magic-.*\.(?P<pid>\d+)-(?P<start>\d+)-(?P<space>[0-9a-f]{8})$")
+_OWNED_NAME = re.compile(
+    rf"^{re.escape(TEMP_PREFIX)}.*\.(?P<pid>\d+)-(?P<start>\d+)-(?P<space>[0-9a-f]{{8}})$"
+)
 
 
 # -- rule 1: root folders ------------------------------------------------------------------

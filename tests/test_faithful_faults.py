@@ -55,6 +55,31 @@ def test_a_starter_that_never_gets_ready_is_bounded_by_the_timeout(hanging_prelo
     assert air_magic.last_run().rank_states == {}
 
 
+@fault(
+    "Backend.stop() while the call waits for a warm starter that never becomes ready",
+    "the call ends 'interrupted' at once with a clear error; no rank ran, nothing is left",
+)
+def test_stop_while_waiting_for_the_starter_ends_the_call(hanging_preload):
+    import inspect
+    import threading
+
+    from air_magic.backends.local.backend import LocalBackend
+    from air_magic.errors import LaunchError
+    from air_magic.launch.settings import make_settings
+    from air_magic.session.call import run_call
+
+    backend = LocalBackend(warm_start=True)
+    threading.Timer(1.0, backend.stop).start()
+    began = time.monotonic()
+    settings = make_settings(num_accelerators=2, display="none", tracking=False)
+    result = run_call("f", os.getpid, inspect.signature(os.getpid).bind(), settings, backend=backend)
+    assert time.monotonic() - began < 10  # not the starter's 60 s
+    assert result.outcome == "interrupted"
+    with pytest.raises(LaunchError, match="was stopped"):
+        result.unwrap()
+    assert air_magic.last_run().rank_states == {}
+
+
 @pytest.mark.slow
 @fault(
     "the warm starter never becomes ready, no timeout",

@@ -31,3 +31,5 @@ def test_the_second_node_of_two_gets_its_own_place_and_gpus():
     assert (env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"], env["ROLE_RANK"]) == ("8", "4", "5")
     assert env["MASTER_ADDR"] == "10.0.0.1"
     assert env["CUDA_VISIBLE_DEVICES"] == "2,3"
+    # Across machines the collectives cannot stay on loopback.
+    assert "GLOO_SOCKET_IFNAME" not in env and "NCCL_SOCKET_IFNAME" not in env

@@ -102,7 +102,7 @@ class OutputRouter:
         self.tails = [RankTail() for _ in range(world_size)]
 
     def log_path(self, rank: int) -> str:
-        return os.path.join(self.log_dir, f"rank-{rank}.log")
+        return paths.rank_log(self.log_dir, rank)
 
     def feed(self, rank: int, stream: str, data: bytes) -> None:
         self._log(rank, stream, data)

@@ -19,7 +19,7 @@ from air_magic.protocol.events import (
     RunFinished,
     RunStarted,
 )
-from air_magic.protocol.lines import LineSplitter
+from air_magic.protocol.lines import LineSplitter, visible
 
 _cpu_mode_said = False
 
@@ -94,7 +94,7 @@ class TextDisplay:
     def _write(self, rank: int, stream: str, lines: list[str]) -> None:
         prefix = f"[rank {rank:>{self._width}}] "
         # One write per chunk, not per line: chatty ranks stay cheap.
-        text = "".join(prefix + line.rstrip("\r").rsplit("\r", 1)[-1] + "\n" for line in lines)
+        text = "".join(prefix + visible(line) + "\n" for line in lines)
         target = self._stream(stream)
         target.write(text)
         target.flush()

@@ -17,6 +17,7 @@ import sys
 import time
 from typing import Any
 
+from air_magic import paths
 from air_magic.display.screen import RankScreen
 from air_magic.protocol.events import (
     Event,
@@ -158,7 +159,7 @@ class WidgetDisplay:
         assert self._run is not None
         dropped = self._screens[rank].dropped
         shown = f"{dropped} earlier lines not shown; " if dropped else ""
-        path = html.escape(f"{self._run.log_dir}/rank-{rank}.log")
+        path = html.escape(paths.rank_log(self._run.log_dir, rank))
         return f'<small style="color:#666">{shown}full log: <code>{path}</code></small>'
 
     def _header_html(self) -> str:

@@ -85,12 +85,15 @@ def rank_environment(
     # Sockets of the collectives on loopback: one machine needs no other interface, and a rank
     # listening on eth0 is reachable from the network. gloo serves CPU tensors on GPU runs too
     # (init_process_group() with no backend makes both). The user's own setting wins.
-    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    loopback = master_addr in ("127.0.0.1", "localhost", "::1")
+    if loopback:  # one machine; a backend across machines chooses its interfaces (or leaves them to NCCL)
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if not plan.cpu_mode:
         # NCCL's bootstrap sockets (and its socket transport, which a single node does not use:
         # NVLink, P2P and shared memory carry the data). '=lo' is an exact match; a bare 'lo' is a
         # prefix. InfiniBand is left alone (NCCL_IB_HCA chooses it, not this variable).
-        env.setdefault("NCCL_SOCKET_IFNAME", "=lo")
+        if loopback:
+            env.setdefault("NCCL_SOCKET_IFNAME", "=lo")
         # Indices in NVML's (PCI bus) order, with CUDA told to count the same way: tools
         # parse this variable as integers (DeepSpeed's accelerator does), so UUIDs broke
         # them. MIG instances have no index of their own and keep their UUIDs.

@@ -1,4 +1,4 @@
 """What the caller, its backends and the ranks agree on: files, pickles, events, variable names.
 
-Imports only the standard library, cloudpickle and the base modules (errors, paths).
+Imports nothing of air_magic's: only the standard library and cloudpickle.
 """

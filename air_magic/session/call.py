@@ -16,6 +16,7 @@ line) come here with a function, its bound arguments and validated settings::
 
 from __future__ import annotations
 
+import atexit
 import inspect
 import os
 from collections.abc import Callable
@@ -108,6 +109,15 @@ def _source_of(func: Callable[..., Any]) -> str | None:
         return inspect.getsource(func)
     except (OSError, TypeError):
         return None
+
+
+@atexit.register
+def _at_exit() -> None:
+    """An orderly exit mid-call (kernel shutdown or restart): first every rank stops, then the
+    tracked runs end KILLED, with their logs complete. Registered here, in that order, not left to
+    the order in which the modules happened to be imported (atexit runs hooks last-in first-out)."""
+    warm.at_exit()
+    tracking.end_live_runs()
 
 
 def prestart_local() -> None:

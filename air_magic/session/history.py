@@ -10,6 +10,7 @@ import collections
 from dataclasses import dataclass, field
 from typing import Any
 
+from air_magic import paths
 from air_magic.protocol.events import Event, RankExited, RecordLink, RunFinished, RunStarted
 
 KEEP = 50  # calls remembered per process (last_run() needs one; %distributed status shows one)
@@ -32,7 +33,7 @@ class RunInfo:
     mlflow_run_id: str | None = None
 
     def log_path(self, rank: int) -> str:
-        return f"{self.log_dir}/rank-{rank}.log"
+        return paths.rank_log(self.log_dir, rank)
 
 
 _runs: collections.deque[RunInfo] = collections.deque(maxlen=KEEP)

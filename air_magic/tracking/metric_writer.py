@@ -1,7 +1,7 @@
 """In the caller: the one writer of the ranks' metrics into the call's MLflow run.
 
 Ranks append each ``mlflow.log_metric`` as a line to their own file
-(rank_metrics.py). A thread here reads the new complete lines of every file
+(worker/metrics.py). A thread here reads the new complete lines of every file
 each :data:`INTERVAL_S` and writes them with ``MlflowClient.log_batch``, up to
 :data:`BATCH` metrics per request; :meth:`MetricWriter.close` does a last pass
 after the ranks are gone, before the run is ended.

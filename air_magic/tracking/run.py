@@ -5,7 +5,7 @@
   :mod:`~air_magic.tracking.remote`.
 - **Nesting.** With an active run in the notebook, the call's run is its child.
 - **Ranks** get ``MLFLOW_TRACKING_URI``, ``MLFLOW_EXPERIMENT_ID`` and
-  ``MLFLOW_RUN_ID``; ``rank_mlflow`` keeps a rank from ending or renaming the
+  ``MLFLOW_RUN_ID``; ``worker/mlflow_hook.py`` keeps a rank from ending or renaming the
   shared run, and makes a run a rank starts for itself a child of it.
 - **Metrics** a rank logs with ``mlflow.log_metric``/``log_metrics`` go through
   a file to this process's :class:`~air_magic.tracking.metric_writer.MetricWriter`, which
@@ -27,7 +27,6 @@ launch events and, in a ``finally``, the call's outcome.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import functools
 import importlib.metadata
@@ -177,7 +176,7 @@ class TrackedRun:
             _warn(f"could not end MLflow run {self.run_id}: {exc}")
 
     def _end_children(self, outcome: str) -> None:
-        """End the runs that ranks started under this one and left RUNNING (see rank_mlflow).
+        """End the runs that ranks started under this one and left RUNNING (see worker/mlflow_hook.py).
 
         A rank that was killed, timed out or interrupted cannot end its own child run; one that
         returned would have had it ended by MLflow at exit, with the call's status.
@@ -356,9 +355,10 @@ def _describe_call(tracked: TrackedRun, call: CallFacts) -> None:
     tracked.metrics = metrics
 
 
-@atexit.register
-def _end_live_runs() -> None:
-    """A caller that exits in an orderly way mid-call (kernel shutdown) ends its runs as KILLED."""
+def end_live_runs() -> None:
+    """A caller that exits in an orderly way mid-call (kernel shutdown) ends its runs as KILLED.
+
+    Called at interpreter exit by the session layer, after the ranks are stopped (session/call.py)."""
     for tracked in list(_live):
         tracked.finish("interrupted", wait_s=AT_EXIT_WAIT_S)
 

@@ -2,7 +2,7 @@
 
 MLflow's fluent calls insert one row per call (about 4.5 ms on a sqlite store,
 and every rank queues on the one database lock). When the rank imports
-``mlflow.tracking.fluent``, :func:`patch_fluent` (called by ``rank_mlflow``'s
+``mlflow.tracking.fluent``, :func:`patch_fluent` (called by ``mlflow_hook``'s
 import hook) wraps both functions: a metric for the call's shared run is
 validated exactly as MLflow validates it, stamped with the caller's step and
 the time of the call, and appended as one line to

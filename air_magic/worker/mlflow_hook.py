@@ -22,7 +22,7 @@ run; ``start_run(run_id=<the shared run>, run_name=...)`` resumes it without
 renaming it, with a warning. The launcher ends child runs a killed rank left
 RUNNING.
 
-The hook also hands ``mlflow.tracking.fluent`` to ``rank_metrics``, which
+The hook also hands ``mlflow.tracking.fluent`` to ``worker/metrics.py``, which
 makes per-step metric logging cheap. Importing mlflow costs seconds, so
 nothing here imports it.
 

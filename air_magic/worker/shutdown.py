@@ -1,7 +1,7 @@
 """How a forked (warm) rank ends: the way a Python process ends, without tearing down the starter's heap.
 
 A fresh rank ends with the interpreter's own shutdown (``SystemExit``, see
-rank_entry.py). A rank forked by the warm starter could too, but then every
+worker/entry.py). A rank forked by the warm starter could too, but then every
 object the starter made on import (torch's, hundreds of thousands) is
 deallocated, and every deallocation writes to a page the fork still shares
 with the starter: about 0.2 s of copy-on-write faults per rank for nothing the

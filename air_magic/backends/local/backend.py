@@ -23,7 +23,6 @@ import os
 import shutil
 import sys
 import threading
-from collections.abc import Mapping
 
 from air_magic import private_files
 from air_magic.backends.local import warm
@@ -50,10 +49,10 @@ class LocalBackend:
             # First: the starter imports torch while this process does its own imports. The call's
             # env= may hold start-up variables (PYTHONHASHSEED...), which the starter must start with.
             warm.prestart(settings.log_dir, settings.env)
+        self._stop_requested.clear()  # here, not in run(): a stop() between the two still counts
         return plan_accelerators(settings.num_accelerators, settings.accelerator_type)
 
     def run(self, request: LaunchRequest, bus: EventBus) -> RunResult:
-        self._stop_requested.clear()
         # A caller killed mid-call (SIGKILL) cannot remove its folders: the arguments in clear.
         private_files.sweep_dead_callers()
         run_id = new_run_id()
@@ -77,8 +76,8 @@ class LocalBackend:
         self._stop_requested.set()
 
 
-def write_call_files(run_dir: str, payload: bytes, launch: Mapping[str, object] | None = None) -> None:
+def write_call_files(run_dir: str, payload: bytes) -> None:
     """The call folder's two inputs: the caller's ``sys.path`` and ``argv``, and the payload."""
-    launch = launch or {"sys_path": list(sys.path), "argv": list(sys.argv) or [""]}
+    launch = {"sys_path": list(sys.path), "argv": list(sys.argv) or [""]}
     wire.write_atomically(os.path.join(run_dir, wire.LAUNCH_FILE), json.dumps(launch).encode())
     wire.write_atomically(os.path.join(run_dir, wire.PAYLOAD_FILE), payload)

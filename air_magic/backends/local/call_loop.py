@@ -124,15 +124,16 @@ class CallLoop:
                 started = self._start_ranks(lifeline_r)
             finally:
                 os.close(lifeline_r)
+            if not started and self.stop_requested.is_set():
+                outcome, error = "interrupted", self._stopped_error()
+                return RunResult(self.run_id, self.log_dir, outcome, error=error)
             if not started:
                 outcome, error = "timeout", self._starter_timeout()
                 return RunResult(self.run_id, self.log_dir, outcome, error=error)
             outcome = self._watch()
             if outcome == "interrupted":  # stop() from another thread
                 self._stop(INTERRUPT_GRACE_S)
-                error = LaunchError(
-                    f"{self.request.name} was stopped before it finished; every rank was stopped"
-                )
+                error = self._stopped_error()
             elif outcome == "succeeded":
                 try:
                     return RunResult(self.run_id, self.log_dir, outcome, values=self._results())
@@ -187,7 +188,7 @@ class CallLoop:
         starter = None
         if self.warm_start:
             starter = self._ready_starter(envs[0])
-            if starter is None and self._deadline_passed():
+            if starter is None and (self._deadline_passed() or self.stop_requested.is_set()):
                 return False
         if starter is not None:
             # Its exit reports wake the loop as soon as they come.
@@ -216,11 +217,24 @@ class CallLoop:
         return True
 
     def _ready_starter(self, env: dict[str, str]) -> warm.Starter | None:
-        """The warm starter for ranks with this environment, waited for no longer than the call's timeout."""
+        """The warm starter for ranks with this environment, waited for no longer than the call's
+        timeout, nor past a stop()."""
         wait = warm.starter_wait_s()
         if self.deadline is not None:
             wait = min(wait, max(0.0, self.deadline - time.monotonic()))
-        return warm.get_starter(self.request.log_root, warm.startup_environment(env), wait_s=wait)
+        end = time.monotonic() + wait
+        startup = warm.startup_environment(env)
+        while True:
+            # In slices, so that a stop() from another thread is seen while the starter imports.
+            slice_s = min(TICK_S, max(0.0, end - time.monotonic()))
+            starter = warm.get_starter(self.request.log_root, startup, wait_s=slice_s)
+            if starter is not None or warm.starting() is None:  # ready, or none is coming
+                return starter
+            if self.stop_requested.is_set() or time.monotonic() >= end:
+                return None
+
+    def _stopped_error(self) -> LaunchError:
+        return LaunchError(f"{self.request.name} was stopped before it finished; every rank is gone")
 
     def _deadline_passed(self) -> bool:
         return self.deadline is not None and time.monotonic() >= self.deadline

@@ -17,7 +17,7 @@ the caller's environment, working folder and umask, is given what a fresh
 interpreter would have of its own (see :func:`_fresh_state`: random seeds, the
 SIGINT handler, import caches), and runs
 :func:`air_magic.worker.entry.run_from_launch_file`. It ends the way a Python
-process ends (threads joined, ``atexit`` run, files flushed): see rank_exit.py.
+process ends (threads joined, ``atexit`` run, files flushed): see worker/shutdown.py.
 
 The starter's own environment holds the start-up variables of the calls it
 serves (``PYTHONHASHSEED``, ``PYTHONWARNINGS``, ``LD_PRELOAD``...; see
@@ -67,7 +67,7 @@ def main(control_fd: int, preload: list[str]) -> None:
     # frozen, the garbage collector skips it, so forks keep sharing its pages (no copy on
     # write) and a rank's interpreter shutdown skips walking it (about 0.3 s with torch).
     gc.freeze()
-    preloaded = frozenset(sys.modules)  # a rank's exit leaves these alone (rank_exit.py)
+    preloaded = frozenset(sys.modules)  # a rank's exit leaves these alone (worker/shutdown.py)
     _keep_preload_finalizers_from_exit()
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
@@ -98,7 +98,7 @@ def main(control_fd: int, preload: list[str]) -> None:
                 return
             request = json.loads(data)
             pid = os.fork()
-            if pid == 0:  # never returns: the rank ends in rank_exit.end_forked_rank
+            if pid == 0:  # never returns: the rank ends in shutdown.end_forked_rank
                 _become_rank(request, fds, sock, wake_r, wake_w, preloaded)
             for fd in fds:
                 os.close(fd)

@@ -377,7 +377,8 @@ _exiting = False
 
 
 @atexit.register
-def _at_exit() -> None:
+def at_exit() -> None:
+    """At interpreter exit: calls still running (in daemon threads) are stopping; the starter goes."""
     global _exiting
     _exiting = True  # a call still running in a daemon thread is being stopped, not failing
     restart()
