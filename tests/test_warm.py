@@ -93,3 +93,16 @@ def test_ranks_that_end_while_others_are_still_being_started(starter):
         assert len(fn.distributed()) == 8
     info = __import__("air_magic").last_run()
     assert info is not None and info.outcome == "succeeded"
+
+
+def _modules_a_rank_will_need():
+    import sys
+
+    return {name: name in sys.modules for name in ("psutil", "air_magic.worker.shutdown", "cloudpickle")}
+
+
+def test_a_forked_rank_finds_what_it_needs_to_exit_already_imported(starter):
+    """What every rank imports on its way out is preloaded in the starter, not imported per call
+    (psutil at exit cost each warm call 15 ms when the lazy package stopped pulling it in)."""
+    fn = distributed(num_accelerators=2, display="none", tracking=False)(_modules_a_rank_will_need)
+    assert fn.distributed() == [{"psutil": True, "air_magic.worker.shutdown": True, "cloudpickle": True}] * 2
