@@ -31,6 +31,8 @@ from air_magic.protocol.events import RankExited, RankOutput, RankStarted, RankS
 from air_magic.session.call import run_call
 from air_magic.session.history import last_run
 
+pytestmark = pytest.mark.contract
+
 BACKENDS = {
     "local-fresh": lambda: LocalBackend(warm_start=False),
     "local-warm": lambda: LocalBackend(warm_start=True),
