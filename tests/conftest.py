@@ -165,11 +165,24 @@ def mlflow_status(info) -> str:
     return MlflowClient(embedded_uri()).get_run(info.mlflow_run_id).info.status
 
 
-def run_ranks(fn, *args, n=2, **settings):
+def ready_starter() -> None:
+    """Wait (up to 120 s) until the warm starter has imported torch, as a loaded machine may need.
+
+    A call waits for the starter no longer than its own timeout, and then reports that no rank
+    started: right for users, wrong for a test of what ranks do at a 3-second timeout."""
+    from air_magic.backends.local import warm
+
+    if warm.enabled():
+        assert warm.get_starter(wait_s=120) is not None, "the warm starter did not come up"
+
+
+def run_ranks(fn, *args, n=2, wait_for_starter=True, **settings):
     """Call ``fn`` on ``n`` ranks; when a launched call fails, its MLflow run must say FAILED."""
     import air_magic
 
     settings.setdefault("display", "none")
+    if wait_for_starter and settings.get("timeout") is not None and settings.get("warm_start", True):
+        ready_starter()  # a short timeout tests the ranks, not how long torch takes to import
     before = air_magic.last_run()
     try:
         return air_magic.distributed(num_accelerators=n, **settings)(fn).distributed(*args)

@@ -17,6 +17,7 @@ import sys
 import zipfile
 
 import pytest
+from conftest import ready_starter
 
 from air_magic import distributed, restart_warm_start
 from air_magic.backends.local import warm
@@ -45,6 +46,8 @@ def _fresh_starter():
 
 
 def _run(fn, warm_start, *args, n=2, **settings):
+    if warm_start and settings.get("timeout") is not None and "env" not in settings:
+        ready_starter()  # each test rebuilds the starter: its import must not eat a short timeout
     settings.setdefault("display", "none")
     settings.setdefault("tracking", False)
     return distributed(num_accelerators=n, warm_start=warm_start, **settings)(fn).distributed(*args)
