@@ -280,6 +280,48 @@ def test_set_experiment_then_start_run_in_a_rank_works_as_under_torchrun(store):
         assert runs[run_id].info.status == "FINISHED"
 
 
+def _set_experiment_that_a_peer_created_in_between():
+    """MLflow's race, made certain: the look-up misses, then another rank's experiment is there."""
+    import os
+
+    import mlflow
+    from mlflow.tracking import MlflowClient
+    from mlflow.tracking._tracking_service.client import TrackingServiceClient
+
+    name = f"raced-{os.environ['RANK']}"
+    made = MlflowClient().create_experiment(name)  # "the other rank", a moment earlier
+    look_up = TrackingServiceClient.get_experiment_by_name
+    missed = []
+
+    def first_look_misses(self, experiment_name):
+        if experiment_name == name and not missed:
+            missed.append(True)
+            return None
+        return look_up(self, experiment_name)
+
+    TrackingServiceClient.get_experiment_by_name = first_look_misses
+    try:
+        mlflow.set_experiment(name)
+    finally:
+        TrackingServiceClient.get_experiment_by_name = look_up
+    with mlflow.start_run() as run:
+        pass
+    return missed == [True], made, run.info.experiment_id
+
+
+@pytest.mark.fault(
+    "every rank calls mlflow.set_experiment('x') at once and another rank creates 'x' in between",
+    "the experiment is active in every rank (MLflow returns it without activating it in that race)",
+)
+def test_set_experiment_takes_effect_when_a_peer_created_it_in_between(store):
+    results = distributed(num_accelerators=2, display="none", experiment="raced")(
+        _set_experiment_that_a_peer_created_in_between
+    ).distributed()
+    for raced, made, used in results:
+        assert raced  # the race happened, as staged
+        assert used == made  # and the rank's run is in the experiment it set
+
+
 def _open_a_child_run_then_die(barrier):
     import os
     import time

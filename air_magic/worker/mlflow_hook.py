@@ -125,7 +125,32 @@ def _keep_shared_run_open(module: ModuleType) -> None:
 
 def _patch_fluent(fluent: ModuleType) -> None:
     _start_own_runs_as_children(fluent)
+    _make_set_experiment_take_effect(fluent)
     rank_metrics.patch_fluent(fluent)
+
+
+def _make_set_experiment_take_effect(fluent: ModuleType) -> None:
+    """Wrap ``set_experiment``: the experiment it returns is the active one, also after a race.
+
+    Every rank runs the same ``mlflow.set_experiment("x")`` at the same moment. When another
+    rank creates "x" between MLflow's look-up and its own create, MLflow catches the
+    RESOURCE_ALREADY_EXISTS and returns the experiment *without making it active*: that rank's
+    next ``start_run()`` lands elsewhere (seen here about once in 30 calls). Made active here.
+    """
+    original = fluent.set_experiment
+
+    @functools.wraps(original)
+    def set_experiment(*args: Any, **kwargs: Any) -> Any:
+        experiment = original(*args, **kwargs)
+        chosen = _chosen_experiment(fluent)
+        if experiment is not None and str(chosen) != str(experiment.experiment_id):
+            return original(experiment_id=experiment.experiment_id)
+        return experiment
+
+    setattr(fluent, "set_experiment", set_experiment)  # noqa: B010 - a module attribute mypy cannot see
+    package = sys.modules.get("mlflow")
+    if package is not None and getattr(package, "set_experiment", None) is original:
+        setattr(package, "set_experiment", set_experiment)  # noqa: B010 - mlflow was preloaded
 
 
 def _start_own_runs_as_children(fluent: ModuleType) -> None:
