@@ -87,6 +87,7 @@ def distributed(
     experiment: str | None = None,
     run_name: str | None = None,
     warm_start: bool = ...,
+    cluster: str | None = None,
 ) -> Callable[[Callable[..., R]], DistributedFunction[R]]: ...
 
 
@@ -108,6 +109,7 @@ def distributed(
     experiment: Any = None,
     run_name: Any = None,
     warm_start: Any = _UNSET,
+    cluster: Any = None,
 ) -> Any:
     """Decorate a training function to run once per GPU (or CPU rank) via ``fn.distributed(...)``.
 
@@ -131,6 +133,8 @@ def distributed(
     - ``tracking``: record the call as an MLflow run, when mlflow is installed. Default True.
     - ``warm_start``: fork ranks from a starter process that has imported torch once,
       instead of starting fresh interpreters. Default True.
+    - ``cluster``: where the ranks run: this machine, or 'ray' (every node of a Ray
+      cluster; 'ray=ADDRESS' names the cluster). Default ``None``: this machine.
     - ``experiment``: the MLflow experiment. Default: MLflow's own, else the notebook's
       or script's name.
     - ``run_name``: the MLflow run's name. Default: MLflow's.
@@ -152,6 +156,7 @@ def distributed(
         experiment=experiment,
         run_name=run_name,
         warm_start=warm_start,
+        cluster=cluster,
     )
 
     def decorate(func: Callable[..., R]) -> DistributedFunction[R]:

@@ -73,7 +73,7 @@ def leftover_processes(timeout: float = LEFTOVER_WAIT_S) -> list[psutil.Process]
         alive = []
         keep = warm.starter_pid()
         for proc in psutil.Process().children(recursive=True):
-            if proc.pid == keep:
+            if proc.pid == keep or _rays_own(proc):
                 continue
             try:
                 if proc.status() != psutil.STATUS_ZOMBIE:
@@ -83,6 +83,24 @@ def leftover_processes(timeout: float = LEFTOVER_WAIT_S) -> list[psutil.Process]
         if not alive or time.monotonic() > deadline:
             return alive
         time.sleep(0.05)
+
+
+# A Ray cluster of the tests (the ray_cluster fixture) is pytest's child and stays for the session:
+# its processes, and the warm starters of its node agents, are not leftovers. Ranks are.
+_RAY_MARKS = ("raylet", "gcs_server", "ray::", "ray/_private", "ray/dashboard", "ray/autoscaler", "default_worker.py")
+
+
+def _rays_own(proc: psutil.Process) -> bool:
+    try:
+        line = " ".join(proc.cmdline())
+        if proc.name().startswith("ray::") or any(mark in line for mark in _RAY_MARKS):
+            return True
+        if "starter_main" in line:  # a node agent's warm starter; a rank forked from it is not Ray's
+            parent = proc.parent()
+            return parent is not None and _rays_own(parent) and "starter_main" not in " ".join(parent.cmdline())
+    except psutil.Error:
+        return True  # gone meanwhile
+    return False
 
 
 @pytest.fixture(autouse=True)
@@ -212,3 +230,30 @@ def interrupt_tracked_caller(folder: Path, metrics_per_rank: int = 0) -> tuple[s
         time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
     return proc.communicate(timeout=60)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A real Ray cluster of 3 nodes on this machine, one fake GPU each (placement spreads ranks
+    over nodes; the ranks run on the CPU with gloo, as no node has an NVIDIA driver). Loopback only."""
+    # Before Ray is imported (it reads them then): every listener and address on 127.0.0.1 (NOTES.md).
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    ray = pytest.importorskip("ray")
+    from ray._private import ray_constants
+    from ray.cluster_utils import Cluster
+
+    from air_magic.backends.ray import placement
+
+    ray_constants.ENABLE_RAY_CLUSTER = False  # in case another test imported Ray first
+    node = {"num_cpus": 2, "num_gpus": 1, "node_ip_address": "127.0.0.1"}
+    cluster = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
+    for _ in range(2):
+        cluster.add_node(**node)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
+    cluster.node_args = node  # for tests that add a node back
+    yield cluster
+    placement.release_all()
+    ray.shutdown()
+    cluster.shutdown()

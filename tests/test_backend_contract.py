@@ -6,9 +6,9 @@ the backend handed in explicitly, and checks what a user sees: the values,
 the error, the events, the log folder, and that nothing is left behind (the
 ``no_leftovers`` fixture of conftest.py runs after every test).
 
-Backends today: ``local-fresh`` (a fresh interpreter per rank) and
-``local-warm`` (ranks forked from the warm starter). The Ray backend joins the
-list in ``BACKENDS`` when it lands.
+Backends today: ``local-fresh`` (a fresh interpreter per rank), ``local-warm``
+(ranks forked from the warm starter) and ``ray-warm`` (ranks forked by an agent
+on each node of a real 3-node Ray cluster, conftest.ray_cluster).
 """
 
 from __future__ import annotations
@@ -33,14 +33,22 @@ from air_magic.session.history import last_run
 
 pytestmark = pytest.mark.contract
 
+def _ray():
+    from air_magic.backends.ray.backend import RayBackend
+
+    return RayBackend(warm_start=True)
+
+
 BACKENDS = {
     "local-fresh": lambda: LocalBackend(warm_start=False),
     "local-warm": lambda: LocalBackend(warm_start=True),
+    "ray-warm": _ray,  # a real 3-node Ray cluster on this machine (conftest.ray_cluster)
 }
 
 
-# local-warm rebuilds the warm starter for each test (1-2 s): its half of the suite is slow.
-SLOW = {"local-warm"}
+# local-warm rebuilds the warm starter for each test (1-2 s), ray-warm starts a Ray cluster
+# once (10-20 s): their parts of the suite are slow.
+SLOW = {"local-warm", "ray-warm"}
 PARAMS = [pytest.param(name, marks=pytest.mark.slow if name in SLOW else ()) for name in sorted(BACKENDS)]
 
 
@@ -50,6 +58,8 @@ def backend(request) -> Backend:
     assert made.name == request.param
     if request.param == "local-warm":
         request.getfixturevalue("starter")  # a ready starter: the ranks are forks, not fresh processes
+    if request.param.startswith("ray"):
+        request.getfixturevalue("ray_cluster")
     return made
 
 
@@ -264,7 +274,8 @@ def test_output_is_captured_in_order_per_rank_and_stream(backend):
 def test_folders_are_private_and_the_call_folder_is_gone(backend):
     (run_dir, log_dir), _ = call(backend, writes_run_dir).unwrap()
     assert not os.path.exists(run_dir)  # removed after the call: the arguments were in it
-    assert os.path.dirname(run_dir) == tempfile.gettempdir()
+    if backend.name.startswith("local"):  # a Ray node's call folder is in that node's temp folder
+        assert os.path.dirname(run_dir) == tempfile.gettempdir()
     assert stat.S_IMODE(os.stat(log_dir).st_mode) == 0o700
     for name in os.listdir(log_dir):
         assert stat.S_IMODE(os.stat(os.path.join(log_dir, name)).st_mode) == 0o600, name

@@ -42,12 +42,13 @@ EVERY_SETTING = (
         "max_payload_bytes": 1024,
         "tracking": False,
         "warm_start": False,
+        "cluster": "ray=127.0.0.1:6379",
         "experiment": "exp",
         "run_name": "run-1",
     },
     "-n 3 --accelerator-type GPU_2xH200 --timeout 12.5 --display text --env A=1 --env B=x=y "
     "--log-dir /tmp/air_magic-schema-logs --max-payload-bytes 1024 --no-tracking --no-warm-start "
-    "--experiment exp --run-name run-1",
+    "--cluster ray=127.0.0.1:6379 --experiment exp --run-name run-1",
 )
 
 

@@ -72,6 +72,19 @@ def _check_timeout(value: Any) -> float | None:
     return seconds
 
 
+def _check_cluster(value: Any) -> str | None:
+    if value is None or value == "local":
+        return None
+    if isinstance(value, str):
+        kind, sep, address = value.partition("=")
+        if kind.strip().lower() == "ray" and (not sep or address.strip()):
+            return "ray" + (f"={address.strip()}" if sep else "")
+    raise ConfigurationError(
+        f"cluster must be None (this machine), 'ray' (the Ray cluster of ray_init() or $RAY_ADDRESS) "
+        f"or 'ray=ADDRESS', got {value!r}"
+    )
+
+
 def _check_display(value: Any) -> str:
     if value not in DISPLAY_MODES:
         raise ConfigurationError(f"display must be one of {', '.join(DISPLAY_MODES)}, got {value!r}")
@@ -269,6 +282,18 @@ class LaunchSettings:
                 "instead of starting fresh interpreters",
                 check=functools.partial(_check_bool, "warm_start"),
                 switch=True,
+            )
+        ),
+    )
+    cluster: str | None = field(
+        default=None,
+        metadata=_about(
+            Setting(
+                help="where the ranks run: this machine, or 'ray' (every node of a Ray cluster; "
+                "'ray=ADDRESS' names the cluster)",
+                check=_check_cluster,
+                metavar="ray[=ADDRESS]",
+                default_text="this machine",
             )
         ),
     )

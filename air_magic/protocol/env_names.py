@@ -16,6 +16,16 @@ PRELOAD = "AIR_MAGIC_PRELOAD"  # modules the warm starter imports (comma-separat
 STARTER_WAIT = "AIR_MAGIC_STARTER_WAIT"  # seconds a starter may take to become ready
 FORCE_CPU = "AIR_MAGIC_FORCE_CPU"  # '1': plan CPU ranks even when GPUs are visible
 CPU_RANKS = "AIR_MAGIC_CPU_RANKS"  # how many CPU ranks a machine without GPUs runs by default
+RAY_PLACE_WAIT = "AIR_MAGIC_RAY_PLACE_WAIT"  # seconds a Ray placement may take before the call fails
+
+# -- Ray's own, which air_magic sets when it starts a local Ray (backends/ray/cluster.py) ----------
+RAY_ADDRESS = "RAY_ADDRESS"
+RAY_AUTH_MODE = "RAY_AUTH_MODE"
+RAY_AUTH_TOKEN_PATH = "RAY_AUTH_TOKEN_PATH"
+RAY_USAGE_STATS = "RAY_USAGE_STATS_ENABLED"
+# Measured on Ray 2.60 (NOTES.md): with this set to 0 before start, every listener binds
+# 127.0.0.1; _node_ip_address alone is silently replaced by the machine's address.
+RAY_LOCAL_ONLY = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 # -- rank variables -----------------------------------------------------------------------
 RUN_ID = "AIR_MAGIC_RUN_ID"  # the call's id; set means "this process is a rank"

@@ -5,7 +5,7 @@ line) come here with a function, its bound arguments and validated settings::
 
     run_call(name, func, bound, settings)
       1. refuse a call from inside a rank
-      2. backend_for(settings)            the local backend, warm or fresh (later: Ray)
+      2. backend_for(settings)            the local backend, warm or fresh, or the Ray backend
       3. backend.prepare(settings)        starts what is slow to start; the accelerator plan
       4. build_payload(...)               cloudpickle once; an unpicklable part fails here, named
       5. tracking.RunStart(...).wait()    the call's MLflow run (its variables go to every rank)
@@ -38,6 +38,11 @@ from air_magic.tracking import run as tracking
 
 def backend_for(settings: LaunchSettings) -> Backend:
     """The backend a call with these settings runs on."""
+    if settings.cluster is not None and settings.cluster.startswith("ray"):
+        from air_magic.backends.ray.backend import RayBackend  # imports nothing of Ray until it runs
+
+        _, _, address = settings.cluster.partition("=")
+        return RayBackend(address or None, warm_start=settings.warm_start)
     return LocalBackend(warm_start=settings.warm_start)
 
 

@@ -18,18 +18,19 @@ LOOPBACK = "127.0.0.1"
 
 
 class RendezvousStore:
-    """A TCPStore server on 127.0.0.1 for one run; ``close()`` releases it."""
+    """A TCPStore server for one run (on 127.0.0.1 unless ``host`` says otherwise: the Ray
+    backend binds rank 0's node address); ``close()`` releases it."""
 
     # torch's own default for a store's waits (30 min): ranks that import for minutes still join.
-    def __init__(self, world_size: int, timeout_s: float = 1800.0):
+    def __init__(self, world_size: int, timeout_s: float = 1800.0, host: str = LOOPBACK):
         import torch.distributed as dist  # the caller pays torch's import once per process
 
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listener.bind((LOOPBACK, 0))
+        listener.bind((host, 0))
         listener.listen(max(world_size, 8))
         self.port: int = listener.getsockname()[1]
         self._store: Any = dist.TCPStore(
-            LOOPBACK,
+            host,
             self.port,
             world_size,
             True,

@@ -1,0 +1,420 @@
+"""The Ray backend's node agent: one long-lived actor per node, which starts and watches that node's ranks.
+
+The caller (run_loop.py) places one :class:`NodeAgent` on each node of a
+call's placement group (placement.py). For a call the agent
+
+1. writes the call folder on its node (0700): ``launch.json`` and the payload,
+   which came from the caller's object store once (``ray.put``);
+2. starts its ranks exactly as the local backend does: forks of a warm starter
+   that lives in the agent (torch imported once per node, not per call), or
+   fresh interpreters; each with torchrun's variables for its place in the
+   world (launch/rank_env.py), its stdout and stderr on pipes, and a lifeline
+   whose EOF kills it when the agent dies (worker/entry.py);
+3. watches them with one thread (a selector over pipes and pidfds) and keeps
+   what happens as events — output bytes, a reported error, an exit with its
+   result or error record, new metric lines — until the caller's next
+   :meth:`NodeAgent.poll` takes them (a long poll: it returns as soon as there
+   is something, so output reaches the caller in milliseconds and is never
+   merged or deduplicated, unlike Ray's ``log_to_driver``);
+4. stops its ranks when told (:meth:`NodeAgent.stop`: SIGTERM, grace, SIGKILL to
+   every process tree, as ``process_tree.stop_trees`` does locally).
+
+A watchdog thread ends everything when the node's raylet dies (the agent is
+re-parented: Ray would leave it running for minutes) or when the caller has not
+polled a running call for :data:`CALLER_SILENT_S` (a caller that lost its
+network); the kernel then closes the lifelines and every rank dies.
+
+Times in events are this node's ``time.monotonic()``; :meth:`NodeAgent.describe`
+gives the offset to the wall clock, so the caller can order failures across nodes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict
+from typing import Any
+
+from air_magic import paths, private_files
+from air_magic.backends.local import warm
+from air_magic.backends.local.ranks import ForkedRank, FreshRank, RankSlot
+from air_magic.backends.local.rendezvous import RendezvousStore
+from air_magic.launch.accelerators import AcceleratorPlan, detect_gpus
+from air_magic.launch.rank_env import RankPlace, rank_environment
+from air_magic.process_tree import DescendantTracker, stop_trees
+from air_magic.protocol import env_names, wire
+from air_magic.worker import entry
+
+TICK_S = 0.1  # how often the watch thread looks at exit codes, error records and metric files
+CALLER_SILENT_S = 30.0  # a running call whose caller stopped polling this long is stopped
+WATCHDOG_S = 0.5  # how often the watchdog checks the raylet and the caller
+_READ_SIZE = 1 << 16
+METRICS_FOLDER = "metrics"
+
+
+class NodeAgent:
+    """Runs on one node (as a Ray actor with ``max_concurrency`` > 2: poll and stop come in parallel)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._events: list[tuple[Any, ...]] = []
+        self._call: NodeCall | None = None
+        self._store: RendezvousStore | None = None
+        self._last_poll = time.monotonic()
+        self._parent = os.getppid()  # the raylet; when it dies this process is re-parented
+        threading.Thread(target=self._watchdog, name="air_magic-agent-watchdog", daemon=True).start()
+
+    # -- what the caller asks -------------------------------------------------------------
+
+    def describe(self) -> dict[str, Any]:
+        """This node: its address, the GPUs Ray gave this agent (NVML), its clock and its pid."""
+        import ray
+
+        context = ray.get_runtime_context()
+        return {
+            "ip": ray.util.get_node_ip_address(),
+            "node_id": context.get_node_id(),
+            "pid": os.getpid(),
+            # Ray set CUDA_VISIBLE_DEVICES to the GPUs of this agent's bundle; NVML honours it.
+            "gpus": [asdict(g) for g in detect_gpus()],
+            "ray_gpu_ids": [str(i) for i in ray.get_gpu_ids()],
+            "clock": time.time() - time.monotonic(),
+            "cpus": os.cpu_count() or 1,
+        }
+
+    def prestart(self, env: dict[str, str]) -> None:
+        """Put this node's warm starter on its way (it imports torch once for every later call)."""
+        warm.prestart(self._log_root(), env)
+
+    def open_store(self, world_size: int, host: str) -> int:
+        """Host the call's rendezvous store on this node (rank 0's), bound before any rank starts."""
+        self._close_store()
+        self._store = RendezvousStore(world_size, host=host)
+        return self._store.port
+
+    def start(self, spec: dict[str, Any], payload: bytes) -> list[tuple[int, int]]:
+        """Start this node's ranks of a call; ``[(rank, pid)]``."""
+        with self._cond:
+            if self._call is not None and not self._call.finished:
+                raise RuntimeError("this node's agent is still running the previous call")
+            self._events.clear()
+            self._last_poll = time.monotonic()
+            self._call = NodeCall(spec, payload, self._emit, self._log_root())
+        return self._call.start()
+
+    def poll(self, wait_s: float) -> list[tuple[Any, ...]]:
+        """The events since the last poll; waits up to ``wait_s`` for the first one."""
+        with self._cond:
+            self._last_poll = time.monotonic()
+            if not self._events:
+                self._cond.wait(wait_s)
+            events, self._events = self._events, []
+            self._last_poll = time.monotonic()
+        return events
+
+    def stop(self, grace_s: float) -> None:
+        """Stop this node's ranks (and everything they started); their exits follow as events."""
+        call = self._call
+        if call is not None:
+            call.stop(grace_s)
+
+    def finish(self) -> None:
+        """The call is over: close its store, remove its folder (the arguments were in it)."""
+        call, self._call = self._call, None
+        if call is not None:
+            call.stop(0)
+            call.close()
+        self._close_store()
+
+    def ping(self) -> int:
+        return os.getpid()
+
+    # -- inside ----------------------------------------------------------------------------
+
+    def _emit(self, event: tuple[Any, ...]) -> None:
+        with self._cond:
+            self._events.append(event)
+            self._cond.notify_all()
+
+    def _close_store(self) -> None:
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+
+    @staticmethod
+    def _log_root() -> str:
+        root = paths.state_dir(paths.RAY_DIR, "agents")
+        os.makedirs(root, mode=0o700, exist_ok=True)
+        return root
+
+    def _watchdog(self) -> None:
+        while True:
+            time.sleep(WATCHDOG_S)
+            if os.getppid() != self._parent:
+                # The raylet is gone. Ray notices only after its health checks (~15 s) and leaves
+                # this process running: end the ranks now, then this process (lifelines close).
+                call = self._call
+                if call is not None:
+                    call.kill_now()
+                os._exit(1)
+            call = self._call
+            if (
+                call is not None
+                and not call.finished
+                and time.monotonic() - self._last_poll > CALLER_SILENT_S
+            ):
+                call.stop(0)
+
+
+class NodeCall:
+    """One call's ranks on this node, from the call folder to the last exit event."""
+
+    def __init__(self, spec: dict[str, Any], payload: bytes, emit: Any, log_root: str):
+        self.spec = spec
+        self.emit = emit
+        self.log_root = log_root
+        self.run_id: str = spec["run_id"]
+        self.run_dir = private_files.private_tempdir(self.run_id)
+        self.metrics_dir = os.path.join(self.run_dir, METRICS_FOLDER)
+        os.mkdir(self.metrics_dir, 0o700)
+        self._write_call_files(payload)
+        self.ranks: list[RankSlot] = []
+        self.selector = selectors.DefaultSelector()
+        self.tracker = DescendantTracker()
+        self.lifeline_w: int | None = None
+        self.finished = False
+        self.teardown_at: float | None = None
+        self._metric_offsets: dict[int, int] = {}
+        self._payload_gone = False
+        self._raised: set[int] = set()
+        self._stop_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def _write_call_files(self, payload: bytes) -> None:
+        # The caller's sys.path where it exists on this node (the same paths on every node is
+        # the simple way), then this worker's own (runtime_env's working_dir and py_modules).
+        caller = [p for p in self.spec["sys_path"] if p == "" or os.path.isdir(p) or os.path.isfile(p)]
+        sys_path = caller + [p for p in sys.path if p not in caller]
+        launch = {"sys_path": sys_path, "argv": self.spec["argv"]}
+        wire.write_atomically(os.path.join(self.run_dir, wire.LAUNCH_FILE), json.dumps(launch).encode())
+        wire.write_atomically(os.path.join(self.run_dir, wire.PAYLOAD_FILE), payload)
+
+    # -- starting ----------------------------------------------------------------------------
+
+    def start(self) -> list[tuple[int, int]]:
+        spec = self.spec
+        cwd = spec["cwd"] if os.path.isdir(spec["cwd"]) else os.getcwd()
+        lifeline_r, self.lifeline_w = os.pipe()
+        gpus = tuple(detect_gpus()) if not spec["cpu_mode"] else ()
+        plan = AcceleratorPlan(world_size=spec["world_size"], gpus=gpus, detected=spec["detected"])
+        extra = dict(spec["env"])
+        if env_names.METRICS_DIR in extra:  # the caller's folder may be on another machine
+            extra[env_names.METRICS_DIR] = self.metrics_dir
+        envs = [
+            rank_environment(
+                place=RankPlace(
+                    rank=rank,
+                    world_size=spec["world_size"],
+                    local_rank=local_rank,
+                    local_world_size=len(spec["ranks"]),
+                    node_rank=spec["node_rank"],
+                ),
+                plan=plan,
+                master_addr=spec["master_addr"],
+                master_port=spec["master_port"],
+                run_id=self.run_id,
+                run_dir=self.run_dir,
+                log_dir=spec["log_dir"],
+                lifeline_fd=lifeline_r,
+                extra=extra,
+                gpus=gpus,
+            )
+            for local_rank, rank in enumerate(spec["ranks"])
+        ]
+        starter = None
+        if spec["warm_start"] and envs:
+            starter = warm.get_starter(
+                self.log_root, warm.startup_environment(envs[0]), wait_s=spec.get("starter_wait_s", 0.0)
+            )
+        started = []
+        try:
+            for rank, env in zip(spec["ranks"], envs):
+                out_r, out_w = os.pipe()
+                err_r, err_w = os.pipe()
+                try:
+                    proc = self._spawn(starter, rank, env, cwd, out_w, err_w, lifeline_r)
+                except OSError:
+                    os.close(out_r)
+                    os.close(err_r)
+                    raise
+                finally:
+                    os.close(out_w)
+                    os.close(err_w)
+                slot = RankSlot(rank, proc)
+                self.ranks.append(slot)
+                for stream, fd in (("stdout", out_r), ("stderr", err_r)):
+                    os.set_blocking(fd, False)
+                    self.selector.register(fd, selectors.EVENT_READ, (slot, stream))
+                if slot.pidfd is not None:
+                    self.selector.register(slot.pidfd, selectors.EVENT_READ, (slot, None))
+                started.append((rank, proc.pid))
+        finally:
+            os.close(lifeline_r)
+        self._thread = threading.Thread(target=self._watch, name="air_magic-agent-watch", daemon=True)
+        self._thread.start()
+        return started
+
+    def _spawn(
+        self,
+        starter: warm.Starter | None,
+        rank: int,
+        env: dict[str, str],
+        cwd: str,
+        out_w: int,
+        err_w: int,
+        lifeline_r: int,
+    ) -> FreshRank | ForkedRank:
+        if starter is not None:
+            try:
+                pid = starter.spawn(env, cwd, self.run_dir, [out_w, err_w, lifeline_r])
+                return ForkedRank(pid, starter, self.run_dir, rank)
+            except OSError:
+                pass  # the starter broke: this rank starts fresh
+        proc = subprocess.Popen(
+            [sys.executable, "-c", entry.BOOTSTRAP, self.run_dir],
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out_w,
+            stderr=err_w,
+            pass_fds=(lifeline_r,),
+            start_new_session=True,
+        )
+        return FreshRank(proc)
+
+    # -- watching ----------------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        try:
+            while any(r.exit_code is None for r in self.ranks):
+                for key, _ in self.selector.select(TICK_S):
+                    slot, stream = key.data
+                    if stream is not None:
+                        self._read(key.fd, slot, stream)
+                self._look()
+            self._drain()
+        finally:
+            self._ship_metrics()
+            self.finished = True
+            self.emit(("done",))
+
+    def _look(self) -> None:
+        """Exit codes, newly reported errors, new metric lines."""
+        self.tracker.update(r.proc.pid for r in self.ranks if r.exit_code is None)
+        for r in self.ranks:
+            if r.exit_code is not None:
+                continue
+            if r.rank not in self._raised:
+                data = wire.read_bytes(wire.error_path(self.run_dir, r.rank))
+                if data is not None:
+                    self._raised.add(r.rank)
+                    self.emit(("raised", r.rank, data))
+            if r.proc.poll() is not None:
+                self._exited(r)
+        self._ship_metrics()
+        if not self._payload_gone and all(
+            os.path.exists(wire.loaded_path(self.run_dir, r.rank)) for r in self.ranks
+        ):
+            self._payload_gone = True  # every rank has it: the arguments, in clear, are deleted
+            try:
+                os.unlink(os.path.join(self.run_dir, wire.PAYLOAD_FILE))
+            except OSError:
+                pass
+
+    def _exited(self, r: RankSlot) -> None:
+        r.exit_code = r.proc.returncode
+        r.exited_at = time.monotonic()
+        if r.pidfd is not None:
+            self.selector.unregister(r.pidfd)
+            os.close(r.pidfd)
+            r.pidfd = None
+        result = wire.read_bytes(wire.result_path(self.run_dir, r.rank)) if r.exit_code == 0 else None
+        error = wire.read_bytes(wire.error_path(self.run_dir, r.rank))
+        self.emit(("exit", r.rank, r.exit_code, r.exited_at, result, error, r.status_lost, self.teardown_at))
+
+    def _read(self, fd: int, slot: RankSlot, stream: str) -> bool:
+        try:
+            data = os.read(fd, _READ_SIZE)
+        except BlockingIOError:
+            return True
+        if not data:
+            self.selector.unregister(fd)
+            os.close(fd)
+            return False
+        self.emit(("out", slot.rank, stream, data))
+        return True
+
+    def _drain(self, limit_s: float = 2.0) -> None:
+        """Output still in the pipes after every rank exited (a grandchild may hold them: bounded)."""
+        end = time.monotonic() + limit_s
+        while time.monotonic() < end:
+            pipes = [k for k in self.selector.get_map().values() if k.data[1] is not None]
+            if not pipes:
+                break
+            for key, _ in self.selector.select(max(0.0, end - time.monotonic())):
+                slot, stream = key.data
+                if stream is not None:
+                    while self._read(key.fd, slot, stream):
+                        pass
+        for key in list(self.selector.get_map().values()):
+            self.selector.unregister(key.fileobj)
+            if key.data[1] is not None:
+                os.close(key.fd)
+
+    def _ship_metrics(self) -> None:
+        """New bytes of each rank's metric file, to be appended to the caller's copy."""
+        for r in self.ranks:
+            path = wire.metrics_path(self.metrics_dir, r.rank)
+            offset = self._metric_offsets.get(r.rank, 0)
+            try:
+                with open(path, "rb") as f:
+                    f.seek(offset)
+                    data = f.read()
+            except FileNotFoundError:
+                continue
+            if data:
+                self._metric_offsets[r.rank] = offset + len(data)
+                self.emit(("metrics", r.rank, data))
+
+    # -- stopping ----------------------------------------------------------------------------
+
+    def stop(self, grace_s: float) -> None:
+        with self._stop_lock:
+            if self.teardown_at is None:
+                self.teardown_at = time.monotonic()
+            procs = [r.proc for r in self.ranks]
+            if procs:
+                stop_trees(procs, grace_s, self.tracker.seen.values())
+
+    def kill_now(self) -> None:
+        for r in self.ranks:
+            try:
+                os.killpg(r.proc.pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+        if self.lifeline_w is not None:
+            os.close(self.lifeline_w)
+            self.lifeline_w = None
+        self.selector.close()
+        shutil.rmtree(self.run_dir, ignore_errors=True)

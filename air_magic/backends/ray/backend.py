@@ -1,0 +1,62 @@
+"""The Ray backend: every rank on a Ray cluster, behind the same seam as the local backend.
+
+``@distributed(..., cluster="ray")`` (or ``"ray=ADDRESS"``) comes here through
+``session/call.backend_for``::
+
+    RayBackend.prepare(settings)   connect (cluster.py: ray_init's safe defaults when it starts Ray);
+                                   the pool for this many ranks: placement group + one agent per node
+                                   (placement.py), their warm starters on their way; the plan
+    RayBackend.run(request, bus)   run_loop.RayRun: start, follow and end the call on the agents
+    RayBackend.stop()              from any thread: the call ends 'interrupted', every rank stopped
+"""
+
+from __future__ import annotations
+
+import threading
+
+from air_magic.backends.local import warm
+from air_magic.backends.ray import cluster, placement
+from air_magic.backends.ray.run_loop import RayRun
+from air_magic.launch.accelerators import AcceleratorPlan
+from air_magic.launch.request import LaunchRequest, RunResult
+from air_magic.launch.settings import LaunchSettings
+from air_magic.protocol.events import EventBus
+
+
+class RayBackend:
+    """Runs every rank on a Ray cluster, one agent per node forking that node's ranks."""
+
+    def __init__(self, address: str | None = None, warm_start: bool = True):
+        self.address = address
+        self.warm_start = warm_start
+        self.name = "ray-warm" if warm_start else "ray-fresh"
+        self._stop_requested = threading.Event()
+        self._pool: placement.Pool | None = None
+
+    def prepare(self, settings: LaunchSettings) -> AcceleratorPlan:
+        cluster.require_ray()
+        import ray
+
+        if not ray.is_initialized():
+            cluster.ray_init(self.address)
+        self._pool = placement.pool_for(settings.num_accelerators, settings.accelerator_type)
+        if self.warm_start and warm.enabled():
+            for agent in self._pool.agents:
+                agent.prestart.remote(dict(settings.env))  # torch imported on every node meanwhile
+        self._stop_requested.clear()
+        return self._pool.plan
+
+    def run(self, request: LaunchRequest, bus: EventBus) -> RunResult:
+        assert self._pool is not None, "prepare() first"
+        loop = RayRun(
+            request,
+            bus,
+            self._pool,
+            warm_start=self.warm_start and warm.enabled(),
+            stop_requested=self._stop_requested,
+            starter_wait_s=warm.starter_wait_s(),
+        )
+        return loop.execute()
+
+    def stop(self) -> None:
+        self._stop_requested.set()

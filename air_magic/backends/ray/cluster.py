@@ -1,0 +1,182 @@
+"""Connecting to Ray: ``air_magic.ray_init()``, safe by default when it starts a local Ray.
+
+The Ray backend (backend.py) calls :func:`connect` before a call; users call
+:func:`ray_init` themselves to choose the cluster (or to pass Ray's own
+``ray.init`` arguments). Connecting to an existing cluster (``address=`` or
+``RAY_ADDRESS``) takes that cluster as its operators set it up. Starting a
+local one, air_magic changes Ray's defaults where they expose this machine
+(measured on Ray 2.60, ../shared/NOTES.md "Ray 2.60"):
+
+- every listener on 127.0.0.1: ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` in the
+  environment before the start (``_node_ip_address`` alone is silently replaced
+  by the machine's address), and ``_node_ip_address="127.0.0.1"``;
+- token authentication with a token file that only this user can read
+  (``<state>/ray/auth_token``, 0600; Ray writes its own 0644);
+- no usage statistics sent (``RAY_USAGE_STATS_ENABLED=0``);
+- no dashboard unless ``include_dashboard=True`` (it is a web server with a job
+  submission API);
+- ``log_to_driver=False``: Ray's log forwarding merges and deduplicates lines
+  across processes (``[repeated 5x across cluster]``); air_magic ships every
+  rank's output itself.
+
+Only this module imports ``ray`` at module level in the Ray backend's caller
+side; nothing imports it until a call asks for ``cluster="ray"``.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from air_magic import paths, private_files
+from air_magic.protocol import env_names
+
+INSTALL_HINT = 'pip install "air_magic[ray]"'
+
+
+def require_ray() -> Any:
+    """``import ray``, or an ImportError that says how to get it."""
+    try:
+        import ray
+    except ImportError as exc:
+        raise ImportError(
+            f"cluster='ray' needs Ray, which is not installed here: {INSTALL_HINT} "
+            "(the same Ray version on every node of the cluster)"
+        ) from exc
+    return ray
+
+
+@dataclass(frozen=True)
+class ClusterInfo:
+    """Where Ray is: its address, whether air_magic started it here, and what it has."""
+
+    address: str
+    started_here: bool
+    nodes: int
+    resources: dict[str, float]
+    dashboard_url: str | None = None
+    token_path: str | None = None
+
+    def __str__(self) -> str:
+        parts = [f"{self.nodes} node{'s' if self.nodes != 1 else ''}"]
+        for key in ("GPU", "CPU"):
+            if self.resources.get(key):
+                parts.append(f"{self.resources[key]:g} {key}")
+        how = "started a local Ray (listening on 127.0.0.1 only)" if self.started_here else "connected to Ray"
+        text = f"air_magic: {how} at {self.address}: {', '.join(parts)}"
+        if self.dashboard_url:
+            text += f"; dashboard {self.dashboard_url}"
+        return text
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(str(self))
+
+
+_started_here = False
+
+
+def ray_init(address: str | None = None, **ray_init_kwargs: Any) -> ClusterInfo:
+    """Connect to a Ray cluster, or start a local one that is safe by default; say where it is.
+
+    ``address``: a cluster's address (``"auto"``, ``"host:6379"``); default
+    ``$RAY_ADDRESS``, else a new local Ray on this machine (127.0.0.1 only,
+    token auth with a private token file, no usage statistics, no dashboard
+    unless ``include_dashboard=True``). Other keywords go to ``ray.init``.
+    Calling it again returns the existing connection.
+    """
+    global _started_here
+    imported_before = "ray" in sys.modules
+    address = address or os.environ.get(env_names.RAY_ADDRESS) or None
+    if address is None and not (imported_before and sys.modules["ray"].is_initialized()):
+        # Before `import ray`: Ray reads its authentication settings when it is imported.
+        _safe_local_environment()
+        if imported_before:
+            _reload_ray_config()
+    ray = require_ray()
+    if not ray.is_initialized():
+        kwargs: dict[str, Any] = {"log_to_driver": False, "configure_logging": False}
+        if address is None:
+            kwargs.update(include_dashboard=False, _node_ip_address="127.0.0.1")
+            _started_here = True
+        else:
+            kwargs["address"] = address
+            _started_here = False
+        kwargs.update(ray_init_kwargs)
+        ray.init(**kwargs)
+    info = cluster_info()
+    print(info, file=sys.stderr)
+    return info
+
+
+def connect() -> Any:
+    """The ``ray`` module, connected: the current connection, or :func:`ray_init`'s default one."""
+    ray = require_ray()
+    if not ray.is_initialized():
+        ray_init()
+    return ray
+
+
+def cluster_info() -> ClusterInfo:
+    ray = require_ray()
+    context = ray.get_runtime_context()
+    gcs = getattr(context, "gcs_address", None) or ""
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    dashboard = getattr(getattr(ray, "_private", None), "worker", None)
+    url = None
+    try:
+        url = dashboard.get_dashboard_url() if dashboard is not None else None  # type: ignore[union-attr]
+    except Exception:  # noqa: BLE001 - no dashboard
+        url = None
+    token = os.environ.get(env_names.RAY_AUTH_TOKEN_PATH)
+    return ClusterInfo(
+        address=gcs,
+        started_here=_started_here,
+        nodes=len(alive),
+        resources=dict(ray.cluster_resources()),
+        dashboard_url=f"http://{url}" if url and not url.startswith("http") else (url or None),
+        token_path=token if _started_here else None,
+    )
+
+
+def _safe_local_environment() -> None:
+    """Ray reads these when it starts its processes (which inherit them): set them first."""
+    os.environ[env_names.RAY_LOCAL_ONLY] = "0"
+    os.environ.setdefault(env_names.RAY_USAGE_STATS, "0")
+    if os.environ.get(env_names.RAY_AUTH_MODE, "token") == "token":
+        os.environ[env_names.RAY_AUTH_MODE] = "token"
+        os.environ.setdefault(env_names.RAY_AUTH_TOKEN_PATH, _private_token())
+
+
+def _reload_ray_config() -> None:
+    """Ray was imported before the variables above were set: make it read them again.
+
+    Ray's own test helpers do exactly this (``ray._private.authentication_test_utils``);
+    without it the driver would run without the token its cluster demands.
+    """
+    try:
+        from ray._private import ray_constants
+        from ray._raylet import AuthenticationTokenLoader, Config
+
+        ray_constants.ENABLE_RAY_CLUSTER = False  # read when Ray was imported: loopback addresses
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
+    except Exception:  # noqa: BLE001 - another Ray version: ray.init says what is wrong
+        pass
+
+
+def _private_token() -> str:
+    """This user's token file for local Rays (0600 in a 0700 folder), made once."""
+    folder = paths.state_dir(paths.RAY_DIR)
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    private_files.private_root(folder, "the Ray state folder", "Remove it; air_magic makes it again")
+    path = os.path.join(folder, paths.RAY_TOKEN)
+    fd = private_files.open_private(path, os.O_RDWR)
+    try:
+        if os.fstat(fd).st_size == 0:
+            os.write(fd, secrets.token_hex(32).encode())
+    finally:
+        os.close(fd)
+    return path

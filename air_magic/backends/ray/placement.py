@@ -1,0 +1,249 @@
+"""Where a Ray call's ranks go: the fewest nodes that fit, reserved with a placement group, one agent each.
+
+:func:`plan_shape` decides how many ranks each node gets from the cluster's
+nodes (one rank per GPU; CPU slots on a cluster without GPUs), filling the
+biggest nodes first so the call spans as few machines as it can.
+:class:`Pool` reserves that shape with a placement group (one bundle per node,
+``STRICT_SPREAD`` across them), waits for it *at most*
+``AIR_MAGIC_RAY_PLACE_WAIT`` seconds (Ray's own ``pg.ready()`` waits forever
+for a request the cluster cannot place), and puts a :class:`~.agent.NodeAgent`
+in each bundle, holding its GPUs. The pool outlives the call: the next call of
+the same shape finds its agents (and their warm starters) ready, which is what
+makes a warm call take milliseconds. A call of another shape, :func:`release_all`
+or the end of this Python process releases it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from air_magic.backends.ray import cluster
+from air_magic.errors import AcceleratorError, ConfigurationError, LaunchError
+from air_magic.launch.accelerators import GPU, DEFAULT_CPU_RANKS, AcceleratorPlan, AcceleratorSpec, describe
+from air_magic.protocol import env_names
+
+PLACE_WAIT_S = 10.0
+AGENT_CONCURRENCY = 8  # poll, stop, start... of one call at once: never a queue behind a long poll
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Ranks per node (rank 0's node first), counted in ``unit`` ('GPU' or 'CPU')."""
+
+    unit: str
+    counts: tuple[int, ...]
+    model: str | None = None
+
+    @property
+    def world_size(self) -> int:
+        return sum(self.counts)
+
+
+def plan_shape(nodes: list[dict[str, Any]], n: int | None, spec: AcceleratorSpec | None, here: str) -> Shape:
+    """How many ranks each node gets; raises AcceleratorError when the cluster cannot hold them."""
+    alive = [node for node in nodes if node.get("Alive")]
+    has_gpus = any(node["Resources"].get("GPU", 0) >= 1 for node in alive)
+    if spec is not None and not has_gpus:
+        raise AcceleratorError(
+            f"accelerator_type {spec.name} was asked for, but the Ray cluster has no GPUs: {listing(nodes)}"
+        )
+    unit = "GPU" if has_gpus else "CPU"
+    model = spec.model if spec is not None else None
+    if model is not None:
+        alive = [node for node in alive if node["Resources"].get(f"accelerator_type:{model}")]
+        if not alive:
+            raise AcceleratorError(
+                f"accelerator_type {spec.name if spec else model} was asked for, but no node of the Ray "
+                f"cluster has {model} GPUs: {listing(nodes)}"
+            )
+    sizes = [(int(node["Resources"].get(unit, 0)), node) for node in alive]
+    total = sum(size for size, _ in sizes)
+    if n is None:
+        if unit == "GPU":
+            n = spec.count if spec is not None and spec.count is not None else total
+        else:
+            n = int(os.environ.get(env_names.CPU_RANKS, DEFAULT_CPU_RANKS))
+    if n > total or n < 1:
+        raise AcceleratorError(
+            f"{n} rank(s) of one {unit} each were asked for, but the Ray cluster has {total} {unit}(s) "
+            f"in all: {listing(nodes)}. Ask for fewer (num_accelerators=) or add nodes; nothing was launched."
+        )
+    # Biggest nodes first (fewest nodes); among equals, the caller's node first, then a stable order.
+    sizes.sort(key=lambda item: (-item[0], item[1]["NodeID"] != here, item[1]["NodeID"]))
+    counts, left = [], n
+    for size, _ in sizes:
+        if left == 0:
+            break
+        take = min(size, left)
+        if take:
+            counts.append(take)
+            left -= take
+    return Shape(unit=unit, counts=tuple(counts), model=model)
+
+
+def listing(nodes: list[dict[str, Any]]) -> str:
+    """The cluster's nodes and what each has, for an error message."""
+    parts = []
+    for node in nodes:
+        res = node.get("Resources", {})
+        has = ", ".join(f"{res[k]:g} {k}" for k in ("GPU", "CPU") if res.get(k))
+        types = [k.split(":", 1)[1] for k in res if k.startswith("accelerator_type:")]
+        state = "" if node.get("Alive") else " (dead)"
+        parts.append(f"{node.get('NodeManagerAddress', '?')}{state}: {has or 'nothing'}{' ' + '/'.join(types) if types else ''}")
+    return "; ".join(parts) or "no nodes"
+
+
+def place_wait_s() -> float:
+    raw = os.environ.get(env_names.RAY_PLACE_WAIT)
+    if raw is None:
+        return PLACE_WAIT_S
+    try:
+        return max(0.1, float(raw))
+    except ValueError:
+        raise ConfigurationError(f"{env_names.RAY_PLACE_WAIT}={raw!r} must be a number of seconds") from None
+
+
+class Pool:
+    """A shape's reservation and its agents, one per node; :meth:`release` gives it all back."""
+
+    def __init__(self, shape: Shape, force_cpu: bool):
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from air_magic.backends.ray.agent import NodeAgent
+
+        ray = cluster.connect()
+        self.shape = shape
+        self.force_cpu = force_cpu
+        self.agents: list[Any] = []
+        self.nodes: list[dict[str, Any]] = []
+        bundles = [self._bundle(count) for count in shape.counts]
+        strategy = "STRICT_SPREAD" if len(bundles) > 1 else "PACK"
+        self.group = placement_group(bundles, strategy=strategy)
+        wait = place_wait_s()
+        ready, _ = ray.wait([self.group.ready()], timeout=wait)
+        if not ready:
+            remove_placement_group(self.group)
+            raise AcceleratorError(
+                f"the Ray cluster could not place {shape.world_size} rank(s) as {list(shape.counts)} "
+                f"{shape.unit}(s) per node within {wait:g} s (AIR_MAGIC_RAY_PLACE_WAIT): they are in use "
+                f"or the nodes are gone. Free now: {_free(ray)}. Nodes: {listing(ray.nodes())}. "
+                "Nothing was launched."
+            )
+        try:
+            remote = ray.remote(NodeAgent)
+            for index, count in enumerate(shape.counts):
+                options: dict[str, Any] = {
+                    "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                        self.group, placement_group_bundle_index=index
+                    ),
+                    "max_concurrency": AGENT_CONCURRENCY,
+                    "max_restarts": 0,
+                }
+                if shape.unit == "GPU":
+                    options.update(num_gpus=count, num_cpus=0)
+                else:
+                    options.update(num_cpus=count)
+                self.agents.append(remote.options(**options).remote())
+            self.nodes = ray.get([agent.describe.remote() for agent in self.agents], timeout=120)
+        except BaseException:
+            self.release()
+            raise
+        self.plan = self._plan()
+
+    def _bundle(self, count: int) -> dict[str, float]:
+        bundle: dict[str, float] = {self.shape.unit: float(count)}
+        if self.shape.model is not None:
+            bundle[f"accelerator_type:{self.shape.model}"] = 0.001 * count
+        return bundle
+
+    def _plan(self) -> AcceleratorPlan:
+        gpus: list[GPU] = []
+        real = self.shape.unit == "GPU" and not self.force_cpu
+        for node, count in zip(self.nodes, self.shape.counts):
+            found = [GPU(**g) for g in node["gpus"]]
+            if len(found) < count:
+                real = False  # a node without an NVIDIA driver (or fake GPUs): CPU ranks with gloo
+            gpus.extend(found[:count])
+        per_node = " + ".join(
+            f"{node['ip']} ({describe([GPU(**g) for g in node['gpus']][:count]) if real else f'{count} CPU rank(s)'})"
+            for node, count in zip(self.nodes, self.shape.counts)
+        )
+        return AcceleratorPlan(
+            world_size=self.shape.world_size,
+            gpus=tuple(gpus) if real else (),
+            detected=f"Ray: {per_node}",
+        )
+
+    def alive(self) -> bool:
+        ray = cluster.connect()
+        try:
+            ray.get([agent.ping.remote() for agent in self.agents], timeout=10)
+            return True
+        except Exception:  # noqa: BLE001 - an agent or its node died: the pool is rebuilt
+            return False
+
+    def release(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        if not ray.is_initialized():
+            return
+        for agent in self.agents:
+            try:
+                ray.kill(agent)  # its process ends; the lifelines of its ranks close
+            except Exception:  # noqa: BLE001 - already dead
+                pass
+        self.agents = []
+        try:
+            remove_placement_group(self.group)
+        except Exception:  # noqa: BLE001 - already removed, or the cluster is gone
+            pass
+
+
+def _free(ray: Any) -> str:
+    free = ray.available_resources()
+    return ", ".join(f"{free[k]:g} {k}" for k in ("GPU", "CPU") if k in free) or "nothing"
+
+
+_lock = threading.Lock()
+_pool: Pool | None = None
+
+
+def pool_for(n: int | None, spec: AcceleratorSpec | None) -> Pool:
+    """The pool for a call asking for ``n`` ranks (and ``spec``): the current one when it fits."""
+    global _pool
+    ray = cluster.connect()
+    force_cpu = os.environ.get(env_names.FORCE_CPU, "") not in ("", "0")
+    with _lock:
+        here = ray.get_runtime_context().get_node_id()
+        if _pool is not None:
+            # Our own reservation counts as free for the new plan: plan as if it were released.
+            wanted = plan_shape(ray.nodes(), n, spec, here)
+            if wanted == _pool.shape and _pool.force_cpu == force_cpu and _pool.alive():
+                return _pool
+            _pool.release()
+            _pool = None
+        shape = plan_shape(ray.nodes(), n, spec, here)
+        _pool = Pool(shape, force_cpu)
+        return _pool
+
+
+def release_all() -> None:
+    """Give the cluster back every reservation and agent of this process."""
+    global _pool
+    with _lock:
+        if _pool is not None:
+            _pool.release()
+            _pool = None
+
+
+def current() -> Pool | None:
+    return _pool
+
+
+atexit.register(release_all)

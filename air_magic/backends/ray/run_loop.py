@@ -1,0 +1,512 @@
+"""The Ray backend's loop, in the caller: start a call's ranks through the node agents, follow them, end it.
+
+One call, on the pool of agents that placement.py reserved::
+
+    ranks numbered node by node (rank 0 on the first node, which hosts the rendezvous store)
+    payload put in Ray's object store once; each agent writes it into its node's call folder
+    agents start their ranks (agent.py)                      -> RankStarted
+    long polls on every agent at once (ray.wait)             -> output, errors, exits, metric lines
+      output -> backends/output.OutputRouter (the caller's log folder, RankOutput events, tails)
+    the first failure, the timeout, an interrupt or stop()   -> every agent stops its ranks
+    failures ordered (below) -> launch/failures.build_exception; results in rank order
+
+**Which failure is the root cause.** Across machines, arrival order says
+little: a rank killed on one node and the collective error it causes on
+another arrive within the same poll. So a rank's own failure (an exception of
+its own, a death, a lost node) comes before the *collateral* errors of the
+others (torch.distributed's errors, a closed connection, a store timeout), and
+only then does time decide (each node's monotonic clock, turned into wall-clock
+time with the offset its agent reported).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+from air_magic import private_files
+from air_magic.backends.output import OutputRouter, make_log_dir
+from air_magic.backends.ray.placement import Pool
+from air_magic.errors import DistributedTimeoutError, LaunchError, PayloadError, RankFailedError
+from air_magic.launch.failures import RankFailure, build_exception, exit_words
+from air_magic.launch.request import LaunchRequest, RunResult, new_run_id
+from air_magic.protocol import env_names, serialization, wire
+from air_magic.protocol.events import (
+    EventBus,
+    RankExited,
+    RankStarted,
+    RankState,
+    RunFinished,
+    RunStarted,
+    Tick,
+)
+
+TICK_S = 0.2
+POLL_S = 0.5  # an agent's long poll returns at once when it has news, else after this
+GRACE_S = 3.0
+INTERRUPT_GRACE_S = 1.0
+REPORTED_EXIT_S = 1.0  # as local: a rank that reported its error and has not exited by then has failed
+SETTLE_S = 0.5  # after the first failure, news still on its way from other nodes is taken in first
+STOP_WAIT_S = 10.0  # after the stop, how long agents get to report their ranks' exits
+START_WAIT_S = 120.0  # agents start ranks in milliseconds; a warm starter may import torch first
+COLLATERAL_S = 1e9  # added to a collateral failure's time: it sorts after every rank's own failure
+
+# What a rank raises when *another* rank failed: torch.distributed's errors and the words of
+# gloo, NCCL and the store when a peer vanished.
+_COLLATERAL_TYPES = ("DistBackendError", "DistNetworkError", "DistStoreError", "DistError")
+_COLLATERAL_WORDS = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "socket timeout",
+    "timed out",
+    "gloo",
+    "nccl",
+    "processgroup",
+    "tcpstore",
+    "store",
+)
+
+
+def is_collateral(type_name: str, message: str) -> bool:
+    """An error a rank raises because another one failed (so it is not the root cause)."""
+    short = type_name.rsplit(".", 1)[-1]
+    if short in _COLLATERAL_TYPES:
+        return True
+    if short != "RuntimeError":
+        return False
+    text = message.lower()
+    return any(word in text for word in _COLLATERAL_WORDS)
+
+
+class RankRecord:
+    """What the caller knows of one rank."""
+
+    def __init__(self, rank: int, node: int):
+        self.rank = rank
+        self.node = node
+        self.pid: int | None = None
+        self.state = RankState.STARTING
+        self.exit_code: int | None = None
+        self.exit_time: float | None = None  # on its node's monotonic clock
+        self.result: bytes | None = None
+        self.error: bytes | None = None
+        self.raised_seen: float | None = None  # the caller's clock, when its error record arrived
+        self.stopped_by_us = False
+        self.node_lost = False
+        self.status_lost = False
+
+    @property
+    def exited(self) -> bool:
+        return self.exit_code is not None or self.node_lost
+
+
+class RayRun:
+    """One call on a pool of node agents."""
+
+    def __init__(
+        self,
+        request: LaunchRequest,
+        bus: EventBus,
+        pool: Pool,
+        *,
+        warm_start: bool,
+        stop_requested: threading.Event,
+        starter_wait_s: float,
+    ):
+        import ray
+
+        self.ray = ray
+        self.request = request
+        self.bus = bus
+        self.pool = pool
+        self.warm_start = warm_start
+        self.stop_requested = stop_requested
+        self.starter_wait_s = starter_wait_s
+        self.world = request.plan.world_size
+        self.run_id = new_run_id()
+        self.log_dir = make_log_dir(request.log_root, self.run_id)
+        self.router = OutputRouter(self.log_dir, self.world, bus)
+        self.started = time.monotonic()
+        self.deadline = None if request.timeout is None else self.started + request.timeout
+        self.ranks: list[RankRecord] = []
+        for node, count in enumerate(pool.shape.counts):
+            self.ranks.extend(RankRecord(len(self.ranks), node) for _ in range(count))
+        self.agents = pool.agents
+        self.done_nodes: set[int] = set()
+        self.lost_nodes: set[int] = set()
+        self.polls: dict[Any, int] = {}
+        self.teardown_at: float | None = None
+        self.failed_rank: int | None = None
+        self.metric_fds: dict[int, int] = {}
+
+    # -- the whole call ------------------------------------------------------------------
+
+    def execute(self) -> RunResult:
+        plan = self.request.plan
+        self.bus.emit(
+            RunStarted(
+                run_id=self.run_id,
+                world_size=self.world,
+                backend=plan.backend,
+                detected=plan.detected,
+                cpu_mode=plan.cpu_mode,
+                log_dir=self.log_dir,
+                name=self.request.name,
+            )
+        )
+        outcome, error = "failed", None
+        try:
+            started = self._start()
+            if not started:
+                outcome = "interrupted" if self.stop_requested.is_set() else "timeout"
+                error = self._stopped_error() if outcome == "interrupted" else self._timeout_error()
+                return RunResult(self.run_id, self.log_dir, outcome, error=error)
+            outcome = self._watch()
+            if outcome == "succeeded":
+                try:
+                    return RunResult(self.run_id, self.log_dir, outcome, values=self._results())
+                except PayloadError as exc:
+                    outcome, error = "failed", exc
+            elif outcome == "interrupted":
+                self._stop(INTERRUPT_GRACE_S)
+                error = self._stopped_error()
+            elif outcome == "timeout":
+                running = [r.rank for r in self.ranks if not r.exited]
+                self._stop(GRACE_S)
+                error = self._timeout_error(running)
+            else:
+                self._stop(GRACE_S)
+                error = self._failure_error()
+            return RunResult(self.run_id, self.log_dir, outcome, error=error)
+        except KeyboardInterrupt:
+            outcome = "interrupted"
+            self._stop(INTERRUPT_GRACE_S)
+            raise
+        finally:
+            self._stop(GRACE_S)
+            self._finish_agents()
+            self.router.close()
+            for fd in self.metric_fds.values():
+                os.close(fd)
+            self.bus.emit(
+                RunFinished(
+                    run_id=self.run_id,
+                    outcome=outcome,
+                    elapsed=time.monotonic() - self.started,
+                    log_dir=self.log_dir,
+                    error=None if error is None else f"{type(error).__name__}: {error}",
+                    failed_rank=self.failed_rank,
+                )
+            )
+
+    # -- starting ------------------------------------------------------------------------
+
+    def _start(self) -> bool:
+        """Start every rank; False if the timeout or a stop came first (no rank then runs)."""
+        ray, nodes = self.ray, self.pool.nodes
+        master = nodes[0]["ip"]
+        port = ray.get(self.agents[0].open_store.remote(self.world, master), timeout=START_WAIT_S)
+        payload = ray.put(self.request.payload)  # once, whatever the number of nodes
+        wait = self.starter_wait_s
+        if self.deadline is not None:
+            wait = max(0.0, min(wait, self.deadline - time.monotonic()))
+        refs = {}
+        for node, agent in enumerate(self.agents):
+            spec = {
+                "run_id": self.run_id,
+                "ranks": [r.rank for r in self.ranks if r.node == node],
+                "world_size": self.world,
+                "node_rank": node,
+                "master_addr": master,
+                "master_port": port,
+                "cpu_mode": self.request.plan.cpu_mode,
+                "detected": self.request.plan.detected,
+                "env": dict(self.request.env),
+                "sys_path": list(sys.path),
+                "argv": list(sys.argv) or [""],
+                "cwd": os.getcwd(),
+                "log_dir": self.log_dir,
+                "warm_start": self.warm_start,
+                "starter_wait_s": wait,
+            }
+            refs[agent.start.remote(spec, payload)] = node
+        pending = list(refs)
+        end = time.monotonic() + START_WAIT_S
+        while pending:
+            if self.stop_requested.is_set() or self._deadline_passed():
+                return False
+            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=TICK_S)
+            for ref in ready:
+                try:
+                    started = ray.get(ref)
+                except Exception as exc:  # noqa: BLE001 - an agent died or could not start a rank
+                    raise LaunchError(
+                        f"could not start the ranks on node {refs[ref]} ({nodes[refs[ref]]['ip']}): {exc}"
+                    ) from exc
+                for rank, pid in started:
+                    record = self.ranks[rank]
+                    record.pid, record.state = pid, RankState.RUNNING
+                    self.bus.emit(RankStarted(rank=rank, pid=pid))
+            if time.monotonic() > end:
+                raise LaunchError(f"the Ray agents did not start the ranks within {START_WAIT_S:g} s")
+        for node, agent in enumerate(self.agents):
+            self.polls[agent.poll.remote(POLL_S)] = node
+        return True
+
+    def _deadline_passed(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
+
+    # -- following -------------------------------------------------------------------------
+
+    def _watch(self) -> str:
+        next_tick = 0.0
+        while True:
+            now = time.monotonic()
+            if now >= next_tick:
+                next_tick = now + TICK_S
+                self.bus.emit(Tick(elapsed=now - self.started))
+            if self.stop_requested.is_set():
+                return "interrupted"
+            if self._failed(now):
+                self._settle()
+                return "failed"
+            if all(r.exited for r in self.ranks):
+                return "succeeded"
+            wait = TICK_S
+            if self.deadline is not None:
+                wait = min(wait, self.deadline - now)
+                if wait <= 0:
+                    return "timeout"
+            self._pump(wait)
+
+    def _failed(self, now: float) -> bool:
+        for r in self.ranks:
+            if r.node_lost or r.state is RankState.FAILED:
+                return True
+            if r.raised_seen is not None and not r.exited and now - r.raised_seen >= REPORTED_EXIT_S:
+                return True
+        return False
+
+    def _settle(self) -> None:
+        """What other nodes already know (a death, an exception) arrives before the others are stopped."""
+        end = time.monotonic() + SETTLE_S
+        while self.polls and time.monotonic() < end and not all(r.exited for r in self.ranks):
+            self._pump(max(0.0, end - time.monotonic()))
+
+    def _pump(self, wait_s: float) -> None:
+        """Take in whatever one or more agents have sent within ``wait_s``; poll them again."""
+        if not self.polls:
+            time.sleep(wait_s)
+            return
+        ready, _ = self.ray.wait(list(self.polls), num_returns=1, timeout=max(0.0, wait_s))
+        for ref in ready:
+            node = self.polls.pop(ref)
+            try:
+                events = self.ray.get(ref)
+            except Exception:  # noqa: BLE001 - the agent died: its node (or its raylet) is gone
+                self._node_lost(node)
+                continue
+            for event in events:
+                self._handle(node, event)
+            if node not in self.done_nodes:
+                self.polls[self.agents[node].poll.remote(POLL_S)] = node
+
+    def _handle(self, node: int, event: tuple[Any, ...]) -> None:
+        kind = event[0]
+        if kind == "out":
+            _, rank, stream, data = event
+            self.router.feed(rank, stream, data)
+        elif kind == "raised":
+            _, rank, data = event
+            record = self.ranks[rank]
+            record.error = data
+            if record.raised_seen is None:
+                record.raised_seen = time.monotonic()
+        elif kind == "exit":
+            _, rank, code, when, result, error, status_lost, teardown_at = event
+            record = self.ranks[rank]
+            record.exit_code, record.exit_time, record.status_lost = code, when, status_lost
+            record.result, record.error = result, error if error is not None else record.error
+            self._exited(record, teardown_at)
+        elif kind == "metrics":
+            _, rank, data = event
+            self._append_metrics(rank, data)
+        elif kind == "done":
+            self.done_nodes.add(node)
+
+    def _exited(self, r: RankRecord, teardown_at: float | None) -> None:
+        ok = r.exit_code == 0 and r.result is not None
+        raised_at = self._error_time(r)
+        if ok:
+            r.state, reason = RankState.SUCCEEDED, "returned"
+        elif teardown_at is None or (r.exit_time is not None and r.exit_time < teardown_at):
+            r.state = RankState.FAILED  # it ended by itself, before its node was told to stop
+            reason = "raised an exception" if r.error is not None else _death_words(r)
+        elif raised_at is not None and raised_at < teardown_at:
+            r.state, reason = RankState.FAILED, "raised an exception"
+        else:
+            r.state, reason, r.stopped_by_us = RankState.KILLED, "stopped by air_magic", True
+        self.bus.emit(RankExited(rank=r.rank, state=r.state, exit_code=r.exit_code, reason=reason))
+
+    def _node_lost(self, node: int) -> None:
+        if node in self.lost_nodes:
+            return
+        self.lost_nodes.add(node)
+        self.done_nodes.add(node)
+        for r in self.ranks:
+            if r.node == node and not r.exited:
+                r.node_lost, r.exit_time = True, None
+                r.state = RankState.FAILED if self.teardown_at is None else RankState.KILLED
+                self.bus.emit(
+                    RankExited(rank=r.rank, state=r.state, exit_code=None, reason="its node or agent was lost")
+                )
+
+    def _append_metrics(self, rank: int, data: bytes) -> None:
+        folder = self.request.env.get(env_names.METRICS_DIR)
+        if not folder:
+            return
+        fd = self.metric_fds.get(rank)
+        if fd is None:
+            fd = self.metric_fds[rank] = private_files.open_private(wire.metrics_path(folder, rank))
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+
+    # -- stopping --------------------------------------------------------------------------
+
+    def _stop(self, grace_s: float) -> None:
+        """Every agent stops its ranks; their exits are taken in (at most STOP_WAIT_S + grace)."""
+        if all(r.exited for r in self.ranks) and self.teardown_at is not None:
+            return
+        if self.teardown_at is None:
+            self.teardown_at = time.monotonic()
+        for node, agent in enumerate(self.agents):
+            if node not in self.lost_nodes and any(r.node == node and not r.exited for r in self.ranks):
+                agent.stop.remote(grace_s)
+        end = time.monotonic() + grace_s + STOP_WAIT_S
+        try:
+            while self.polls and time.monotonic() < end:
+                if all(r.exited for r in self.ranks) and len(self.done_nodes) == len(self.agents):
+                    break
+                self._pump(min(TICK_S, max(0.0, end - time.monotonic())))
+        except KeyboardInterrupt:  # a second interrupt: no more waiting
+            pass
+        for r in self.ranks:
+            if not r.exited:  # its agent never answered: counted as lost with its node
+                self._node_lost(r.node)
+
+    def _finish_agents(self) -> None:
+        refs = [a.finish.remote() for n, a in enumerate(self.agents) if n not in self.lost_nodes]
+        try:
+            self.ray.wait(refs, num_returns=len(refs), timeout=STOP_WAIT_S)
+        except Exception:  # noqa: BLE001 - an agent that died meanwhile has nothing to clean
+            pass
+
+    # -- outcomes --------------------------------------------------------------------------
+
+    def _results(self) -> list[Any]:
+        values = []
+        for r in self.ranks:
+            assert r.result is not None
+            try:
+                values.append(serialization.loads(r.result))
+            except Exception as exc:
+                raise PayloadError(f"rank {r.rank}'s return value could not be loaded here: {exc}") from exc
+        return values
+
+    def _stopped_error(self) -> LaunchError:
+        return LaunchError(f"{self.request.name} was stopped before it finished; every rank is gone")
+
+    def _timeout_error(self, running: list[int] | None = None) -> DistributedTimeoutError:
+        timeout = self.request.timeout or 0
+        if running is None:
+            return DistributedTimeoutError(
+                f"timed out after {timeout:g} s (timeout={timeout:g}) before the ranks started on the Ray "
+                "cluster (the nodes' warm starters were still importing). No rank ran.",
+                still_running=[],
+                log_dir=self.log_dir,
+            )
+        lines = []
+        for rank in running:
+            tail = self.router.tails[rank].last(5)
+            shown = "\n".join(f"      {line}" for line in tail) if tail else "      (nothing printed)"
+            lines.append(f"  rank {rank} was still running; its last lines:\n{shown}")
+        return DistributedTimeoutError(
+            f"timed out after {timeout:g} s (timeout={timeout:g}); every rank was stopped.\n"
+            + "\n".join(lines)
+            + f"\n  Logs: {self.log_dir}",
+            still_running=running,
+            log_dir=self.log_dir,
+        )
+
+    def _error_time(self, r: RankRecord) -> float | None:
+        if r.error is None:
+            return None
+        try:
+            return float(serialization.loads(r.error).time)
+        except Exception:  # noqa: BLE001 - a torn record still says it failed
+            return float("-inf")
+
+    def _failure_error(self) -> BaseException:
+        failures: list[RankFailure] = []
+        lost: list[RankRecord] = []
+        for r in self.ranks:
+            if r.state is not RankState.FAILED:
+                continue
+            clock = self.pool.nodes[r.node]["clock"]
+            if r.node_lost:
+                lost.append(r)
+                continue
+            if r.error is not None:
+                record = serialization.loads(r.error)
+                when = clock + record.time
+                if is_collateral(record.type_name, record.message):
+                    when += COLLATERAL_S
+                failures.append(RankFailure(r.rank, when, r.exit_code, record))
+            else:
+                code = None if r.status_lost else r.exit_code
+                when = clock + (r.exit_time if r.exit_time is not None else time.monotonic())
+                failures.append(RankFailure(r.rank, when, code, None))
+        own = [f for f in failures if f.time < COLLATERAL_S / 2]
+        if lost and not own:
+            return self._lost_error(lost, failures)
+        if not failures:
+            return LaunchError(f"{self.request.name} failed, but no rank reported why; logs: {self.log_dir}")
+        error = build_exception(
+            failures,
+            world_size=self.world,
+            log_path=self.router.log_path,
+            last_lines=lambda rank: self.router.tails[rank].last(10),
+        )
+        self.failed_rank = min(failures, key=lambda f: (f.time, f.rank)).rank
+        return error
+
+    def _lost_error(self, lost: list[RankRecord], others: list[RankFailure]) -> RankFailedError:
+        first = lost[0]
+        node = self.pool.nodes[first.node]
+        ranks = ", ".join(str(r.rank) for r in lost)
+        tail = "\n".join(f"    {line}" for line in self.router.tails[first.rank].last(10)) or "    (nothing)"
+        message = (
+            f"the Ray node {node['ip']} (node {first.node}) was lost during the call: its agent died, and "
+            f"rank(s) {ranks} with it (the node died, its raylet was killed, or the agent was killed). "
+            f"Every other rank was stopped.\n  Last lines of rank {first.rank}:\n{tail}\n  Logs: {self.log_dir}"
+        )
+        if others:
+            message += f"\n  {len(others)} other rank(s) failed after it (collective errors)."
+        self.failed_rank = first.rank
+        return RankFailedError(message, rank=first.rank, exit_code=None, log_dir=self.log_dir)
+
+
+def _death_words(r: RankRecord) -> str:
+    if r.exit_code == 1:
+        return "raised an exception"
+    if r.exit_code == 0:
+        return "exited with status 0 without a result"
+    if r.exit_code is not None and r.exit_code == -signal.SIGKILL:
+        return "killed by SIGKILL"
+    return exit_words(None if r.status_lost else r.exit_code)
