@@ -38,11 +38,14 @@ _LAZY = {
     "RunInfo": "air_magic.session.history",
     "last_run": "air_magic.session.history",
     "restart_warm_start": "air_magic.session.call",
+    "ray_init": "air_magic.backends.ray.cluster",
+    "ray_launch": "air_magic.decorator",
     "init_process_group": "air_magic.worker.torch_helpers",
 }
 
 if TYPE_CHECKING:
-    from air_magic.decorator import DistributedFunction, distributed
+    from air_magic.backends.ray.cluster import ray_init
+    from air_magic.decorator import DistributedFunction, distributed, ray_launch
     from air_magic.launch.accelerators import AcceleratorType
     from air_magic.session.call import restart_warm_start
     from air_magic.session.history import RunInfo, last_run
@@ -98,6 +101,8 @@ __all__ = [
     "init_process_group",
     "last_run",
     "load_ipython_extension",
+    "ray_init",
+    "ray_launch",
     "restart_warm_start",
     "unload_ipython_extension",
 ]

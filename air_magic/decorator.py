@@ -19,6 +19,7 @@ from air_magic.launch.accelerators import AcceleratorType
 from air_magic.launch.payload import remember_module_file
 from air_magic.launch.settings import _UNSET, LaunchSettings, make_settings
 from air_magic.session.call import run_call
+from air_magic.session.ray_driver import run_as_driver
 
 R = TypeVar("R")
 
@@ -161,5 +162,40 @@ def distributed(
 
     def decorate(func: Callable[..., R]) -> DistributedFunction[R]:
         return DistributedFunction(func, settings)
+
+    return decorate
+
+
+class RayDriverFunction(DistributedFunction[R]):
+    """A function that runs once, as a Ray driver, through ``.distributed(...)`` (see :func:`ray_launch`)."""
+
+    def with_overrides(self, **changes: Any) -> RayDriverFunction[R]:
+        return RayDriverFunction(self.func, make_settings(self.settings.raw, **changes))
+
+    def distributed(self, *args: Any, **kwargs: Any) -> list[R]:
+        """Run the function once as a driver of the Ray cluster; ``[its result]``."""
+        bound = self._signature.bind(*args, **kwargs)
+        name = getattr(self.func, "__qualname__", "function")
+        return run_as_driver(name, self.func, bound, self.settings).unwrap()
+
+
+def ray_launch(num_accelerators: Any = None, accelerator_type: Any = None, **settings: Any) -> Any:
+    """The seed's ``ray_launch``: ``@ray_launch(...)`` takes the same settings as :func:`distributed`.
+
+    ``fn.distributed(*args)`` checks that the Ray cluster (``ray_init()``'s, or
+    ``cluster='ray=ADDRESS'``) has ``num_accelerators`` of ``accelerator_type``,
+    then runs ``fn`` once in a fresh process connected to it (``RAY_ADDRESS`` set:
+    its ``ray.init()`` joins the cluster), for code that uses Ray Train, Ray Data
+    or Tune itself. Returns ``[result]``; errors, tab and MLflow run as for
+    ``distributed``.
+    """
+    if callable(num_accelerators) and not isinstance(num_accelerators, AcceleratorType):
+        return RayDriverFunction(num_accelerators, make_settings(cluster="ray"))
+    made = make_settings(
+        num_accelerators=num_accelerators, accelerator_type=accelerator_type, **{"cluster": "ray", **settings}
+    )
+
+    def decorate(func: Callable[..., R]) -> RayDriverFunction[R]:
+        return RayDriverFunction(func, made)
 
     return decorate

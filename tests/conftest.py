@@ -87,7 +87,15 @@ def leftover_processes(timeout: float = LEFTOVER_WAIT_S) -> list[psutil.Process]
 
 # A Ray cluster of the tests (the ray_cluster fixture) is pytest's child and stays for the session:
 # its processes, and the warm starters of its node agents, are not leftovers. Ranks are.
-_RAY_MARKS = ("raylet", "gcs_server", "ray::", "ray/_private", "ray/dashboard", "ray/autoscaler", "default_worker.py")
+_RAY_MARKS = (
+    "raylet",
+    "gcs_server",
+    "ray::",
+    "ray/_private",
+    "ray/dashboard",
+    "ray/autoscaler",
+    "default_worker.py",
+)
 
 
 def _rays_own(proc: psutil.Process) -> bool:
@@ -97,7 +105,9 @@ def _rays_own(proc: psutil.Process) -> bool:
             return True
         if "starter_main" in line:  # a node agent's warm starter; a rank forked from it is not Ray's
             parent = proc.parent()
-            return parent is not None and _rays_own(parent) and "starter_main" not in " ".join(parent.cmdline())
+            return (
+                parent is not None and _rays_own(parent) and "starter_main" not in " ".join(parent.cmdline())
+            )
     except psutil.Error:
         return True  # gone meanwhile
     return False

@@ -33,6 +33,7 @@ from air_magic.session.history import last_run
 
 pytestmark = pytest.mark.contract
 
+
 def _ray():
     from air_magic.backends.ray.backend import RayBackend
 

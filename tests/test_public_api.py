@@ -26,6 +26,8 @@ PUBLIC = [
     "init_process_group",
     "last_run",
     "load_ipython_extension",
+    "ray_init",
+    "ray_launch",
     "restart_warm_start",
     "unload_ipython_extension",
 ]

@@ -245,7 +245,7 @@ class NodeCall:
             )
         started = []
         try:
-            for rank, env in zip(spec["ranks"], envs):
+            for rank, env in zip(spec["ranks"], envs, strict=True):
                 out_r, out_w = os.pipe()
                 err_r, err_w = os.pipe()
                 try:

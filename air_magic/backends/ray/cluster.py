@@ -127,7 +127,7 @@ def cluster_info() -> ClusterInfo:
     dashboard = getattr(getattr(ray, "_private", None), "worker", None)
     url = None
     try:
-        url = dashboard.get_dashboard_url() if dashboard is not None else None  # type: ignore[union-attr]
+        url = dashboard.get_dashboard_url() if dashboard is not None else None
     except Exception:  # noqa: BLE001 - no dashboard
         url = None
     token = os.environ.get(env_names.RAY_AUTH_TOKEN_PATH)
@@ -157,12 +157,13 @@ def _reload_ray_config() -> None:
     without it the driver would run without the token its cluster demands.
     """
     try:
-        from ray._private import ray_constants
-        from ray._raylet import AuthenticationTokenLoader, Config
+        import importlib
 
-        ray_constants.ENABLE_RAY_CLUSTER = False  # read when Ray was imported: loopback addresses
-        Config.initialize("")
-        AuthenticationTokenLoader.instance().reset_cache()
+        ray_constants = importlib.import_module("ray._private.ray_constants")
+        raylet = importlib.import_module("ray._raylet")
+        setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)  # noqa: B010 - read when Ray was imported: loopback addresses
+        raylet.Config.initialize("")
+        raylet.AuthenticationTokenLoader.instance().reset_cache()
     except Exception:  # noqa: BLE001 - another Ray version: ray.init says what is wrong
         pass
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from air_magic.backends.ray import cluster
-from air_magic.errors import AcceleratorError, ConfigurationError, LaunchError
-from air_magic.launch.accelerators import GPU, DEFAULT_CPU_RANKS, AcceleratorPlan, AcceleratorSpec, describe
+from air_magic.errors import AcceleratorError, ConfigurationError
+from air_magic.launch.accelerators import DEFAULT_CPU_RANKS, GPU, AcceleratorPlan, AcceleratorSpec, describe
 from air_magic.protocol import env_names
 
 PLACE_WAIT_S = 10.0
@@ -93,7 +93,8 @@ def listing(nodes: list[dict[str, Any]]) -> str:
         has = ", ".join(f"{res[k]:g} {k}" for k in ("GPU", "CPU") if res.get(k))
         types = [k.split(":", 1)[1] for k in res if k.startswith("accelerator_type:")]
         state = "" if node.get("Alive") else " (dead)"
-        parts.append(f"{node.get('NodeManagerAddress', '?')}{state}: {has or 'nothing'}{' ' + '/'.join(types) if types else ''}")
+        kinds = " " + "/".join(types) if types else ""
+        parts.append(f"{node.get('NodeManagerAddress', '?')}{state}: {has or 'nothing'}{kinds}")
     return "; ".join(parts) or "no nodes"
 
 
@@ -164,14 +165,14 @@ class Pool:
     def _plan(self) -> AcceleratorPlan:
         gpus: list[GPU] = []
         real = self.shape.unit == "GPU" and not self.force_cpu
-        for node, count in zip(self.nodes, self.shape.counts):
+        for node, count in zip(self.nodes, self.shape.counts, strict=True):
             found = [GPU(**g) for g in node["gpus"]]
             if len(found) < count:
                 real = False  # a node without an NVIDIA driver (or fake GPUs): CPU ranks with gloo
             gpus.extend(found[:count])
         per_node = " + ".join(
-            f"{node['ip']} ({describe([GPU(**g) for g in node['gpus']][:count]) if real else f'{count} CPU rank(s)'})"
-            for node, count in zip(self.nodes, self.shape.counts)
+            f"{node['ip']} ({_what(node, count, real)})"
+            for node, count in zip(self.nodes, self.shape.counts, strict=True)
         )
         return AcceleratorPlan(
             world_size=self.shape.world_size,
@@ -203,6 +204,10 @@ class Pool:
             remove_placement_group(self.group)
         except Exception:  # noqa: BLE001 - already removed, or the cluster is gone
             pass
+
+
+def _what(node: dict[str, Any], count: int, real: bool) -> str:
+    return describe([GPU(**g) for g in node["gpus"]][:count]) if real else f"{count} CPU rank(s)"
 
 
 def _free(ray: Any) -> str:

@@ -159,7 +159,8 @@ class RayRun:
                 name=self.request.name,
             )
         )
-        outcome, error = "failed", None
+        outcome = "failed"
+        error: BaseException | None = None
         try:
             started = self._start()
             if not started:
@@ -244,7 +245,7 @@ class RayRun:
             for ref in ready:
                 try:
                     started = ray.get(ref)
-                except Exception as exc:  # noqa: BLE001 - an agent died or could not start a rank
+                except Exception as exc:  # an agent died or could not start a rank
                     raise LaunchError(
                         f"could not start the ranks on node {refs[ref]} ({nodes[refs[ref]]['ip']}): {exc}"
                     ) from exc
@@ -363,7 +364,9 @@ class RayRun:
                 r.node_lost, r.exit_time = True, None
                 r.state = RankState.FAILED if self.teardown_at is None else RankState.KILLED
                 self.bus.emit(
-                    RankExited(rank=r.rank, state=r.state, exit_code=None, reason="its node or agent was lost")
+                    RankExited(
+                        rank=r.rank, state=r.state, exit_code=None, reason="its node or agent was lost"
+                    )
                 )
 
     def _append_metrics(self, rank: int, data: bytes) -> None:
@@ -494,7 +497,8 @@ class RayRun:
         message = (
             f"the Ray node {node['ip']} (node {first.node}) was lost during the call: its agent died, and "
             f"rank(s) {ranks} with it (the node died, its raylet was killed, or the agent was killed). "
-            f"Every other rank was stopped.\n  Last lines of rank {first.rank}:\n{tail}\n  Logs: {self.log_dir}"
+            f"Every other rank was stopped.\n  Last lines of rank {first.rank}:\n{tail}\n"
+            f"  Logs: {self.log_dir}"
         )
         if others:
             message += f"\n  {len(others)} other rank(s) failed after it (collective errors)."

@@ -1,0 +1,405 @@
+"""The Ray backend beyond the contract suite: ranks across nodes, node faults, placement, output, security.
+
+Every test runs on the real 3-node Ray cluster of ``conftest.ray_cluster`` (one fake
+GPU per node, so a call of 3 ranks puts one on each node; the ranks use gloo on the
+CPU). After each test nothing of the call is left: no rank process (``no_leftovers``),
+no placement group or agent beyond the one pool that is kept for the next call
+(``_nothing_left``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from air_magic.errors import AcceleratorError, RankFailedError
+from air_magic.launch.settings import make_settings
+from air_magic.protocol.events import RankOutput, RankStarted
+from air_magic.session.call import run_call
+from air_magic.session.history import last_run
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def cluster(ray_cluster):
+    yield ray_cluster
+    _nothing_left()
+
+
+def _nothing_left() -> None:
+    import ray
+    from ray.util.placement_group import placement_group_table
+
+    from air_magic.backends.ray import placement
+
+    pool = placement.current()
+    kept = {pool.group.id.hex()} if pool is not None else set()
+    deadline = time.monotonic() + 10
+    while True:
+        groups = {k for k, v in placement_group_table().items() if v["state"] != "REMOVED"}
+        actors = [a for a in ray._private.state.actors().values() if a["State"] == "ALIVE"]
+        agents = len(pool.agents) if pool is not None else 0
+        if groups <= kept and len(actors) <= agents:
+            return
+        assert time.monotonic() < deadline, f"left behind: groups {groups - kept}, actors {len(actors)}"
+        time.sleep(0.1)
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.events: list[object] = []
+
+    def handle(self, event: object) -> None:
+        self.events.append(event)
+
+
+class _Recording:
+    def __init__(self, inner, recorder):
+        self.inner, self.recorder, self.name = inner, recorder, inner.name
+
+    def prepare(self, settings):
+        return self.inner.prepare(settings)
+
+    def run(self, request, bus):
+        bus.add(self.recorder)
+        return self.inner.run(request, bus)
+
+    def stop(self) -> None:
+        self.inner.stop()
+
+
+def call(fn, *args, n=3, recorder=None, backend=None, **settings):
+    from air_magic.backends.ray.backend import RayBackend
+
+    settings.setdefault("display", "none")
+    settings.setdefault("tracking", False)
+    made = make_settings(num_accelerators=n, cluster="ray", **settings)
+    backend = backend or RayBackend()
+    if recorder is not None:
+        backend = _Recording(backend, recorder)
+    return run_call(fn.__name__, fn, inspect.signature(fn).bind(*args), made, backend=backend)
+
+
+# -- rank functions ------------------------------------------------------------------------
+
+
+def where_am_i():
+    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK")
+    env = {k: int(os.environ[k]) for k in names}
+    return env, os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"], os.getpid()
+
+
+def all_reduce_ranks():
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    t = torch.tensor([float(os.environ["RANK"])])
+    dist.all_reduce(t)
+    dist.barrier()
+    dist.destroy_process_group()
+    return t.item()
+
+
+class TrainingDiverged(ValueError):
+    pass
+
+
+def last_rank_raises_in_a_collective():
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    dist.barrier()
+    if os.environ["RANK"] == "2":
+        raise TrainingDiverged("loss nan on node 2")
+    t = torch.ones(1)
+    dist.all_reduce(t)  # rank 2 never joins: the others fail here once it is gone
+    time.sleep(60)
+
+
+def same_lines():
+    for _ in range(5):
+        print("epoch 1 loss 0.25", flush=True)
+    return True
+
+
+def sleeps(ready_dir):
+    open(os.path.join(ready_dir, os.environ["RANK"]), "w").close()
+    time.sleep(600)
+
+
+def logs_metrics():
+    import mlflow
+
+    for step in range(5):
+        mlflow.log_metric(f"loss_rank_{os.environ['RANK']}", 1.0 / (step + 1), step=step)
+    return True
+
+
+# -- tests ---------------------------------------------------------------------------------
+
+
+def test_ranks_span_nodes_with_torchruns_variables(cluster):
+    from air_magic.backends.ray import placement
+
+    values = call(where_am_i).unwrap()
+    envs = [v[0] for v in values]
+    assert [e["RANK"] for e in envs] == [0, 1, 2]
+    assert [e["NODE_RANK"] for e in envs] == [0, 1, 2] == [e["GROUP_RANK"] for e in envs]
+    assert {e["LOCAL_RANK"] for e in envs} == {0} and {e["LOCAL_WORLD_SIZE"] for e in envs} == {1}
+    assert {e["WORLD_SIZE"] for e in envs} == {3}
+    assert {v[1] for v in values} == {"127.0.0.1"} and len({v[2] for v in values}) == 1
+    # Each rank is a descendant of its own node's agent.
+    agents = [node["pid"] for node in placement.current().nodes]
+    assert len(set(agents)) == 3
+    for (_env, _addr, _port, pid), agent in zip(values, agents, strict=True):
+        assert pid != agent  # the rank has exited; the agent that started it is alive
+        assert psutil.pid_exists(agent)
+
+
+def test_gloo_all_reduce_across_nodes(cluster):
+    assert call(all_reduce_ranks).unwrap() == [3.0, 3.0, 3.0]
+    assert last_run().outcome == "succeeded"
+
+
+def test_the_rank_that_raised_is_the_root_cause_not_the_collective_errors_it_caused(cluster):
+    with pytest.raises(TrainingDiverged) as caught:
+        call(last_rank_raises_in_a_collective).unwrap()
+    assert caught.value.air_magic_rank == 2
+    assert str(caught.value) == "loss nan on node 2"
+    assert "in last_rank_raises_in_a_collective" in str(caught.value.__cause__)
+    assert last_run().rank_states[2] == "failed"
+
+
+def test_identical_lines_of_two_ranks_are_all_shown_each_with_its_rank(cluster):
+    recorder = Recorder()
+    assert call(same_lines, n=2, recorder=recorder).unwrap() == [True, True]
+    for rank in (0, 1):
+        text = "".join(e.text for e in recorder.events if isinstance(e, RankOutput) and e.rank == rank)
+        assert text.splitlines() == ["epoch 1 loss 0.25"] * 5
+    assert not any("repeated" in e.text for e in recorder.events if isinstance(e, RankOutput))
+
+
+def test_a_request_larger_than_the_cluster_fails_at_once_listing_it(cluster):
+    before = last_run()
+    started = time.monotonic()
+    with pytest.raises(AcceleratorError) as caught:
+        call(where_am_i, n=5)
+    assert time.monotonic() - started < 10
+    message = str(caught.value)
+    assert "5 rank(s)" in message and "3 GPU(s) in all" in message and "127.0.0.1" in message
+    assert last_run() is before  # nothing was launched
+
+
+def test_a_request_for_gpus_in_use_fails_within_the_place_wait(cluster, monkeypatch):
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from air_magic.backends.ray import placement
+
+    placement.release_all()
+    other = placement_group([{"GPU": 1}, {"GPU": 1}], strategy="STRICT_SPREAD")  # someone else's job
+    ray.get(other.ready(), timeout=60)
+    monkeypatch.setenv("AIR_MAGIC_RAY_PLACE_WAIT", "2")
+    try:
+        started = time.monotonic()
+        with pytest.raises(AcceleratorError, match="could not place 2 rank"):
+            call(where_am_i, n=2)
+        assert time.monotonic() - started < 15
+    finally:
+        remove_placement_group(other)
+
+
+def _node_of_rank(cluster, rank: int):
+    from air_magic.backends.ray import placement
+
+    node_id = placement.current().nodes[rank]["node_id"]
+    return next(n for n in cluster.list_all_nodes() if n.node_id == node_id)
+
+
+def _run_in_thread(fn, *args, **settings):
+    import threading
+
+    box: dict[str, object] = {}
+
+    def target() -> None:
+        started = time.monotonic()
+        try:
+            box["result"] = call(fn, *args, **settings)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            box["error"] = exc
+        box["elapsed"] = time.monotonic() - started
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread, box
+
+
+def _wait_ready(ready_dir, n: int) -> None:
+    deadline = time.monotonic() + 60
+    while len(os.listdir(ready_dir)) < n:
+        assert time.monotonic() < deadline, "the ranks did not start"
+        time.sleep(0.02)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _add_node_back(cluster) -> None:
+    from air_magic.backends.ray import placement
+
+    placement.release_all()
+    cluster.add_node(**cluster.node_args)
+    cluster.wait_for_nodes()
+
+
+@pytest.mark.fault("a Ray node is removed mid-run", "the call fails at once naming the node; its ranks die")
+def test_a_node_removed_mid_run_fails_the_call_and_its_ranks_die(cluster, tmp_path):
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    recorder = Recorder()
+    thread, box = _run_in_thread(sleeps, str(ready), recorder=recorder)
+    _wait_ready(ready, 3)
+    pids = {e.rank: e.pid for e in recorder.events if isinstance(e, RankStarted)}
+    node = _node_of_rank(cluster, 2)
+    assert node is not cluster.head_node
+    try:
+        removed = time.monotonic()
+        cluster.remove_node(node, allow_graceful=False)
+        thread.join(60)
+        assert not thread.is_alive()
+        assert time.monotonic() - removed < 30
+        result = box["result"]
+        with pytest.raises(RankFailedError, match="was lost during the call") as caught:
+            result.unwrap()
+        assert caught.value.rank == 2
+        assert all(
+            not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie" for pid in pids.values()
+        )
+    finally:
+        _add_node_back(cluster)
+
+
+@pytest.mark.fault("a Ray node's raylet is SIGKILLed mid-run", "its ranks die within seconds; the call fails")
+def test_a_killed_raylet_takes_its_ranks_with_it(cluster, tmp_path):
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    recorder = Recorder()
+    thread, box = _run_in_thread(sleeps, str(ready), recorder=recorder)
+    _wait_ready(ready, 3)
+    pids = {e.rank: e.pid for e in recorder.events if isinstance(e, RankStarted)}
+    node = _node_of_rank(cluster, 1)
+    assert node is not cluster.head_node
+    try:
+        raylet = node.all_processes["raylet"][0].process
+        killed = time.monotonic()
+        raylet.send_signal(signal.SIGKILL)
+        while _alive(pids[1]):
+            assert time.monotonic() - killed < 10, "the ranks of the dead raylet's node are still alive"
+            time.sleep(0.05)
+        thread.join(90)
+        assert not thread.is_alive()
+        with pytest.raises(RankFailedError, match="was lost during the call"):
+            box["result"].unwrap()
+    finally:
+        cluster.remove_node(node, allow_graceful=False)
+        _add_node_back(cluster)
+
+
+def test_rank_metrics_reach_the_tracked_run_through_the_agents(cluster, store):
+    assert call(logs_metrics, n=2, tracking=True).unwrap() == [True, True]
+    run = store.get_run(last_run().mlflow_run_id)
+    assert run.info.status == "FINISHED"
+    for rank in (0, 1):
+        history = store.get_metric_history(run.info.run_id, f"loss_rank_{rank}")
+        assert [m.step for m in history] == [0, 1, 2, 3, 4]
+
+
+def test_the_cell_magic_runs_on_ray(cluster, ip, capsys):
+    ip.run_cell_magic(
+        "distributed",
+        "-n 3 --cluster ray --display text --no-tracking",
+        "import os\nprint('node', os.environ['NODE_RANK'])\nresult = int(os.environ['RANK'])",
+    )
+    out = capsys.readouterr().out
+    for rank in range(3):
+        assert f"[rank {rank}] node {rank}" in out
+    assert last_run().outcome == "succeeded"
+
+
+def test_ray_launch_runs_the_function_once_as_a_driver_of_the_cluster(cluster):
+    import air_magic
+
+    @air_magic.ray_launch(num_accelerators=3, display="none", tracking=False)
+    def driver():
+        import ray
+
+        ray.init(log_to_driver=False)  # RAY_ADDRESS: the cluster
+
+        @ray.remote(num_gpus=1)
+        def where():
+            return ray.get_runtime_context().get_node_id()
+
+        nodes = ray.get([where.remote() for _ in range(3)])
+        return ray.cluster_resources()["GPU"], len(nodes), os.environ.get("CUDA_VISIBLE_DEVICES")
+
+    assert driver.distributed() == [(3.0, 3, "")]
+    with pytest.raises(AcceleratorError, match="4 rank"):
+        driver.with_overrides(num_accelerators=4).distributed()
+
+
+def test_ray_init_starts_a_local_ray_on_loopback_with_a_private_token(tmp_path):
+    script = textwrap.dedent(
+        """
+        import json, os, sys, psutil
+        import air_magic
+        info = air_magic.ray_init()
+        again = air_magic.ray_init()
+        mine = psutil.Process().children(recursive=True)
+        listening = set()
+        for proc in mine:
+            try:
+                for conn in proc.net_connections(kind="inet"):
+                    if conn.status == psutil.CONN_LISTEN:
+                        listening.add(conn.laddr.ip)
+            except psutil.Error:
+                pass
+        import ray
+        print(json.dumps({"address": info.address, "again": again.address, "token": info.token_path,
+                          "listening": sorted(listening), "dashboard": info.dashboard_url,
+                          "usage": os.environ.get("RAY_USAGE_STATS_ENABLED")}))
+        ray.shutdown()
+        """
+    )
+    env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "state")}
+    for name in ("RAY_ADDRESS", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_MODE"):
+        env.pop(name, None)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=180, cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import json
+
+    facts = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert facts["address"].startswith("127.0.0.1:") and facts["again"] == facts["address"]
+    loopback = {"127.0.0.1", "::ffff:127.0.0.1", "::1"}  # IPv4-mapped loopback is loopback too
+    assert facts["listening"] and set(facts["listening"]) <= loopback, facts["listening"]
+    assert facts["dashboard"] is None and facts["usage"] == "0"
+    assert stat.S_IMODE(os.stat(facts["token"]).st_mode) == 0o600
+    assert facts["token"].startswith(str(tmp_path / "state"))
+    assert "started a local Ray (listening on 127.0.0.1 only)" in proc.stderr
