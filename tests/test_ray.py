@@ -221,11 +221,17 @@ def test_a_request_for_gpus_in_use_fails_within_the_place_wait(cluster, monkeypa
         remove_placement_group(other)
 
 
-def _node_of_rank(cluster, rank: int):
+def _rank_on_a_worker_node(cluster):
+    """A rank whose node is not the head (removing the head would end the driver), and that node.
+    Which bundle of the placement group lands on which node is Ray's choice."""
     from air_magic.backends.ray import placement
 
-    node_id = placement.current().nodes[rank]["node_id"]
-    return next(n for n in cluster.list_all_nodes() if n.node_id == node_id)
+    by_id = {n.node_id: n for n in cluster.list_all_nodes()}
+    for rank, described in enumerate(placement.current().nodes):
+        node = by_id[described["node_id"]]
+        if node is not cluster.head_node:
+            return rank, node
+    raise AssertionError("every rank is on the head node")
 
 
 def _run_in_thread(fn, *args, **settings):
@@ -276,8 +282,7 @@ def test_a_node_removed_mid_run_fails_the_call_and_its_ranks_die(cluster, tmp_pa
     thread, box = _run_in_thread(sleeps, str(ready), recorder=recorder)
     _wait_ready(ready, 3)
     pids = {e.rank: e.pid for e in recorder.events if isinstance(e, RankStarted)}
-    node = _node_of_rank(cluster, 2)
-    assert node is not cluster.head_node
+    rank, node = _rank_on_a_worker_node(cluster)
     try:
         removed = time.monotonic()
         cluster.remove_node(node, allow_graceful=False)
@@ -287,7 +292,7 @@ def test_a_node_removed_mid_run_fails_the_call_and_its_ranks_die(cluster, tmp_pa
         result = box["result"]
         with pytest.raises(RankFailedError, match="was lost during the call") as caught:
             result.unwrap()
-        assert caught.value.rank == 2
+        assert caught.value.rank == rank
         assert all(
             not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie" for pid in pids.values()
         )
@@ -303,13 +308,12 @@ def test_a_killed_raylet_takes_its_ranks_with_it(cluster, tmp_path):
     thread, box = _run_in_thread(sleeps, str(ready), recorder=recorder)
     _wait_ready(ready, 3)
     pids = {e.rank: e.pid for e in recorder.events if isinstance(e, RankStarted)}
-    node = _node_of_rank(cluster, 1)
-    assert node is not cluster.head_node
+    rank, node = _rank_on_a_worker_node(cluster)
     try:
         raylet = node.all_processes["raylet"][0].process
         killed = time.monotonic()
         raylet.send_signal(signal.SIGKILL)
-        while _alive(pids[1]):
+        while _alive(pids[rank]):
             assert time.monotonic() - killed < 10, "the ranks of the dead raylet's node are still alive"
             time.sleep(0.05)
         thread.join(90)

@@ -30,6 +30,7 @@ gives the offset to the wall clock, so the caller can order failures across node
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import selectors
@@ -64,7 +65,8 @@ class NodeAgent:
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._events: list[tuple[Any, ...]] = []
+        self._events: list[tuple[Any, ...]] = []  # of the call self._run_id, until polled
+        self._run_id: str | None = None
         self._call: NodeCall | None = None
         self._store: RendezvousStore | None = None
         self._last_poll = time.monotonic()
@@ -105,16 +107,23 @@ class NodeAgent:
             if self._call is not None and not self._call.finished:
                 raise RuntimeError("this node's agent is still running the previous call")
             self._events.clear()
+            self._run_id = spec["run_id"]
             self._last_poll = time.monotonic()
             self._call = NodeCall(spec, payload, self._emit, self._log_root())
         return self._call.start()
 
-    def poll(self, wait_s: float) -> list[tuple[Any, ...]]:
-        """The events since the last poll; waits up to ``wait_s`` for the first one."""
+    def poll(self, run_id: str, wait_s: float) -> list[tuple[Any, ...]]:
+        """The events of call ``run_id`` since the last poll; waits up to ``wait_s`` for the first one.
+
+        A poll of an earlier call (still waiting here when the next call started) gets nothing:
+        the events of a call go only to that call's polls.
+        """
         with self._cond:
             self._last_poll = time.monotonic()
-            if not self._events:
+            if not self._events or self._run_id != run_id:
                 self._cond.wait(wait_s)
+            if self._run_id != run_id:
+                return []
             events, self._events = self._events, []
             self._last_poll = time.monotonic()
         return events
@@ -138,10 +147,11 @@ class NodeAgent:
 
     # -- inside ----------------------------------------------------------------------------
 
-    def _emit(self, event: tuple[Any, ...]) -> None:
+    def _emit(self, run_id: str, event: tuple[Any, ...]) -> None:
         with self._cond:
-            self._events.append(event)
-            self._cond.notify_all()
+            if run_id == self._run_id:
+                self._events.append(event)
+                self._cond.notify_all()
 
     def _close_store(self) -> None:
         if self._store is not None:
@@ -178,9 +188,9 @@ class NodeCall:
 
     def __init__(self, spec: dict[str, Any], payload: bytes, emit: Any, log_root: str):
         self.spec = spec
-        self.emit = emit
-        self.log_root = log_root
         self.run_id: str = spec["run_id"]
+        self.emit = functools.partial(emit, self.run_id)
+        self.log_root = log_root
         self.run_dir = private_files.private_tempdir(self.run_id)
         self.metrics_dir = os.path.join(self.run_dir, METRICS_FOLDER)
         os.mkdir(self.metrics_dir, 0o700)

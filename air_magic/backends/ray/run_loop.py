@@ -256,7 +256,7 @@ class RayRun:
             if time.monotonic() > end:
                 raise LaunchError(f"the Ray agents did not start the ranks within {START_WAIT_S:g} s")
         for node, agent in enumerate(self.agents):
-            self.polls[agent.poll.remote(POLL_S)] = node
+            self.polls[agent.poll.remote(self.run_id, POLL_S)] = node
         return True
 
     def _deadline_passed(self) -> bool:
@@ -315,7 +315,7 @@ class RayRun:
             for event in events:
                 self._handle(node, event)
             if node not in self.done_nodes:
-                self.polls[self.agents[node].poll.remote(POLL_S)] = node
+                self.polls[self.agents[node].poll.remote(self.run_id, POLL_S)] = node
 
     def _handle(self, node: int, event: tuple[Any, ...]) -> None:
         kind = event[0]
