@@ -40,6 +40,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from dataclasses import asdict
 from typing import Any
 
@@ -68,9 +69,13 @@ class NodeAgent:
         self._events: list[tuple[Any, ...]] = []  # of the call self._run_id, until polled
         self._run_id: str | None = None
         self._call: NodeCall | None = None
-        self._store: RendezvousStore | None = None
+        self._store: tuple[str, RendezvousStore] | None = None  # (run id, store)
+        self._stopped: set[str] = set()  # calls stopped here, perhaps before their start arrived
         self._last_poll = time.monotonic()
         self._parent = os.getppid()  # the raylet; when it dies this process is re-parented
+        # An agent killed with its node (SIGKILL) could not remove its call folder: the next agent
+        # on this node does (the payload or results of that call, in clear).
+        private_files.sweep_dead_callers()
         threading.Thread(target=self._watchdog, name="air_magic-agent-watchdog", daemon=True).start()
 
     # -- what the caller asks -------------------------------------------------------------
@@ -95,22 +100,33 @@ class NodeAgent:
         """Put this node's warm starter on its way (it imports torch once for every later call)."""
         warm.prestart(self._log_root(), env)
 
-    def open_store(self, world_size: int, host: str) -> int:
+    def open_store(self, run_id: str, world_size: int, host: str) -> int:
         """Host the call's rendezvous store on this node (rank 0's), bound before any rank starts."""
         self._close_store()
-        self._store = RendezvousStore(world_size, host=host)
-        return self._store.port
+        store = RendezvousStore(world_size, host=host)
+        self._store = (run_id, store)
+        return store.port
 
     def start(self, spec: dict[str, Any], payload: bytes) -> list[tuple[int, int]]:
-        """Start this node's ranks of a call; ``[(rank, pid)]``."""
+        """Start this node's ranks of a call; ``[(rank, pid)]`` (empty if the call was stopped first)."""
+        run_id = spec["run_id"]
         with self._cond:
-            if self._call is not None and not self._call.finished:
-                raise RuntimeError("this node's agent is still running the previous call")
+            if run_id in self._stopped:
+                return []
+            previous = self._call
+            if previous is not None and not previous.finished:
+                # The caller ends each call (finish) before the next; one still running here was
+                # abandoned (its caller lost): it goes, rather than blocking this node for good.
+                previous.stop(0)
+                previous.close()
             self._events.clear()
-            self._run_id = spec["run_id"]
+            self._run_id = run_id
             self._last_poll = time.monotonic()
-            self._call = NodeCall(spec, payload, self._emit, self._log_root())
-        return self._call.start()
+            call = self._call = NodeCall(spec, payload, self._emit, self._log_root())
+        try:
+            return call.start()
+        finally:
+            self._last_poll = time.monotonic()  # a slow start (the starter importing) is not silence
 
     def poll(self, run_id: str, wait_s: float) -> list[tuple[Any, ...]]:
         """The events of call ``run_id`` since the last poll; waits up to ``wait_s`` for the first one.
@@ -128,19 +144,28 @@ class NodeAgent:
             self._last_poll = time.monotonic()
         return events
 
-    def stop(self, grace_s: float) -> None:
-        """Stop this node's ranks (and everything they started); their exits follow as events."""
-        call = self._call
+    def stop(self, run_id: str, grace_s: float) -> None:
+        """Stop this node's ranks of call ``run_id`` (and everything they started), also ranks it is
+        still starting and a start that has not arrived yet; their exits follow as events."""
+        with self._cond:
+            self._stopped.add(run_id)
+            if len(self._stopped) > 64:  # remembered for a late start only; never grows for long
+                self._stopped = {run_id}
+            call = self._call if self._call is not None and self._call.run_id == run_id else None
         if call is not None:
             call.stop(grace_s)
 
-    def finish(self) -> None:
-        """The call is over: close its store, remove its folder (the arguments were in it)."""
-        call, self._call = self._call, None
+    def finish(self, run_id: str) -> None:
+        """Call ``run_id`` is over: close its store, remove its folder (the arguments were in it)."""
+        with self._cond:
+            call = self._call if self._call is not None and self._call.run_id == run_id else None
+            if call is not None:
+                self._call = None
         if call is not None:
             call.stop(0)
             call.close()
-        self._close_store()
+        if self._store is not None and self._store[0] == run_id:
+            self._close_store()
 
     def ping(self) -> int:
         return os.getpid()
@@ -155,7 +180,7 @@ class NodeAgent:
 
     def _close_store(self) -> None:
         if self._store is not None:
-            self._store.close()
+            self._store[1].close()
             self._store = None
 
     @staticmethod
@@ -172,7 +197,12 @@ class NodeAgent:
                 # this process running: end the ranks now, then this process (lifelines close).
                 call = self._call
                 if call is not None:
+                    # Said first, so the caller (reached directly, not through the raylet) can tell
+                    # the node's death from its ranks' SIGKILLs that follow.
+                    self._emit(call.run_id, ("lost", "its raylet died"))
                     call.kill_now()
+                    time.sleep(WATCHDOG_S)  # a poll in flight takes the news
+                    shutil.rmtree(call.run_dir, ignore_errors=True)
                 os._exit(1)
             call = self._call
             if (
@@ -205,6 +235,7 @@ class NodeCall:
         self._payload_gone = False
         self._raised: set[int] = set()
         self._stop_lock = threading.Lock()
+        self._stopping = threading.Event()  # set by stop(): no rank is started after it
         self._thread: threading.Thread | None = None
 
     def _write_call_files(self, payload: bytes) -> None:
@@ -219,6 +250,18 @@ class NodeCall:
     # -- starting ----------------------------------------------------------------------------
 
     def start(self) -> list[tuple[int, int]]:
+        """Start the ranks and the watch thread. If a rank cannot be started, the ones already
+        started are stopped and reported, and the error goes to the caller."""
+        try:
+            return self._start()
+        except BaseException:
+            self.stop(0)
+            if self._thread is None:  # the watch thread reports the exits, then "done"
+                self._thread = threading.Thread(target=self._watch, name="air_magic-agent-watch", daemon=True)
+                self._thread.start()
+            raise
+
+    def _start(self) -> list[tuple[int, int]]:
         spec = self.spec
         cwd = spec["cwd"] if os.path.isdir(spec["cwd"]) else os.getcwd()
         lifeline_r, self.lifeline_w = os.pipe()
@@ -256,6 +299,8 @@ class NodeCall:
         started = []
         try:
             for rank, env in zip(spec["ranks"], envs, strict=True):
+                if self._stopping.is_set():
+                    break  # stopped while starting: no more ranks
                 out_r, out_w = os.pipe()
                 err_r, err_w = os.pipe()
                 try:
@@ -318,12 +363,33 @@ class NodeCall:
                     slot, stream = key.data
                     if stream is not None:
                         self._read(key.fd, slot, stream)
+                    else:
+                        self._dead(slot)
                 self._look()
             self._drain()
+        except Exception:  # noqa: BLE001 - never leave ranks unwatched: stop them, report their exits
+            traceback.print_exc()
+            self.kill_now()
+            for r in self.ranks:
+                if r.exit_code is None:
+                    try:
+                        r.proc.wait(timeout=5.0)
+                    except Exception:  # noqa: BLE001 - its exit code is lost: SIGKILL was sent
+                        pass
+                    self._exited(r, -signal.SIGKILL)
         finally:
             self._ship_metrics()
             self.finished = True
             self.emit(("done",))
+
+    def _dead(self, r: RankSlot) -> None:
+        """Its pidfd is readable: the process is gone (a warm rank's exit code comes a moment later)."""
+        if r.dead_since is None:
+            r.dead_since = time.monotonic()
+        if r.pidfd is not None:  # readable for good: watched no more (else the select would spin)
+            self.selector.unregister(r.pidfd)
+            os.close(r.pidfd)
+            r.pidfd = None
 
     def _look(self) -> None:
         """Exit codes, newly reported errors, new metric lines."""
@@ -348,9 +414,10 @@ class NodeCall:
             except OSError:
                 pass
 
-    def _exited(self, r: RankSlot) -> None:
-        r.exit_code = r.proc.returncode
-        r.exited_at = time.monotonic()
+    def _exited(self, r: RankSlot, lost_code: int | None = None) -> None:
+        code = r.proc.returncode
+        r.exit_code = code if code is not None else lost_code
+        r.exited_at = r.dead_since if r.dead_since is not None else time.monotonic()
         if r.pidfd is not None:
             self.selector.unregister(r.pidfd)
             os.close(r.pidfd)
@@ -406,6 +473,7 @@ class NodeCall:
     # -- stopping ----------------------------------------------------------------------------
 
     def stop(self, grace_s: float) -> None:
+        self._stopping.set()
         with self._stop_lock:
             if self.teardown_at is None:
                 self.teardown_at = time.monotonic()
@@ -414,10 +482,17 @@ class NodeCall:
                 stop_trees(procs, grace_s, self.tracker.seen.values())
 
     def kill_now(self) -> None:
+        """SIGKILL every rank's group and every descendant seen (no grace: the node is going)."""
+        self._stopping.set()
         for r in self.ranks:
             try:
                 os.killpg(r.proc.pid, signal.SIGKILL)
             except OSError:
+                pass
+        for proc in self.tracker.seen.values():
+            try:
+                proc.kill()
+            except Exception:  # noqa: BLE001 - gone already
                 pass
 
     def close(self) -> None:

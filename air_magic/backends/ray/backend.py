@@ -17,6 +17,7 @@ import threading
 from air_magic.backends.local import warm
 from air_magic.backends.ray import cluster, placement
 from air_magic.backends.ray.run_loop import RayRun
+from air_magic.errors import LaunchError
 from air_magic.launch.accelerators import AcceleratorPlan
 from air_magic.launch.request import LaunchRequest, RunResult
 from air_magic.launch.settings import LaunchSettings
@@ -39,6 +40,8 @@ class RayBackend:
 
         if not ray.is_initialized():
             cluster.ray_init(self.address)
+        elif self.address and self.address != "auto":
+            cluster.check_address(self.address)
         self._pool = placement.pool_for(settings.num_accelerators, settings.accelerator_type)
         if self.warm_start and warm.enabled():
             for agent in self._pool.agents:
@@ -47,16 +50,22 @@ class RayBackend:
         return self._pool.plan
 
     def run(self, request: LaunchRequest, bus: EventBus) -> RunResult:
-        assert self._pool is not None, "prepare() first"
-        loop = RayRun(
-            request,
-            bus,
-            self._pool,
-            warm_start=self.warm_start and warm.enabled(),
-            stop_requested=self._stop_requested,
-            starter_wait_s=warm.starter_wait_s(),
-        )
-        return loop.execute()
+        pool = self._pool
+        assert pool is not None, "prepare() first"
+        if not pool.in_use.acquire(blocking=False):
+            raise LaunchError("another call of this process is running on the Ray cluster: one at a time")
+        try:
+            loop = RayRun(
+                request,
+                bus,
+                pool,
+                warm_start=self.warm_start and warm.enabled(),
+                stop_requested=self._stop_requested,
+                starter_wait_s=warm.starter_wait_s(),
+            )
+            return loop.execute()
+        finally:
+            pool.in_use.release()
 
     def stop(self) -> None:
         self._stop_requested.set()

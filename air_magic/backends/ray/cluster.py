@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from air_magic import paths, private_files
+from air_magic.errors import ConfigurationError
 from air_magic.protocol import env_names
 
 INSTALL_HINT = 'pip install "air_magic[ray]"'
@@ -99,7 +100,9 @@ def ray_init(address: str | None = None, **ray_init_kwargs: Any) -> ClusterInfo:
     if not ray.is_initialized():
         kwargs: dict[str, Any] = {"log_to_driver": False, "configure_logging": False}
         if address is None:
-            kwargs.update(include_dashboard=False, _node_ip_address="127.0.0.1")
+            # "local": a new Ray of our own. Without it, ray.init joins whatever cluster
+            # /tmp/ray/ray_current_cluster names (any `ray start --head` on this machine).
+            kwargs.update(address="local", include_dashboard=False, _node_ip_address="127.0.0.1")
             _started_here = True
         else:
             kwargs["address"] = address
@@ -109,6 +112,18 @@ def ray_init(address: str | None = None, **ray_init_kwargs: Any) -> ClusterInfo:
     info = cluster_info()
     print(info, file=sys.stderr)
     return info
+
+
+def check_address(address: str) -> None:
+    """Refuse a call for cluster ``address`` while this process is connected to another one."""
+    ray = require_ray()
+    current = getattr(ray.get_runtime_context(), "gcs_address", None) or ""
+    if address not in (current, "auto"):
+        raise ConfigurationError(
+            f"cluster='ray={address}' was asked for, but this process is connected to the Ray cluster at "
+            f"{current} (one cluster per process, Ray's rule). ray.shutdown() first, or leave the "
+            "address out."
+        )
 
 
 def connect() -> Any:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from air_magic.backends.ray import cluster
-from air_magic.errors import AcceleratorError, ConfigurationError
+from air_magic.errors import AcceleratorError, ConfigurationError, LaunchError
 from air_magic.launch.accelerators import DEFAULT_CPU_RANKS, GPU, AcceleratorPlan, AcceleratorSpec, describe
 from air_magic.protocol import env_names
 
@@ -43,8 +43,19 @@ class Shape:
         return sum(self.counts)
 
 
-def plan_shape(nodes: list[dict[str, Any]], n: int | None, spec: AcceleratorSpec | None, here: str) -> Shape:
-    """How many ranks each node gets; raises AcceleratorError when the cluster cannot hold them."""
+def plan_shape(
+    nodes: list[dict[str, Any]],
+    n: int | None,
+    spec: AcceleratorSpec | None,
+    here: str,
+    free: dict[str, dict[str, float]] | None = None,
+) -> Shape:
+    """How many ranks each node gets; raises AcceleratorError when the cluster cannot hold them.
+
+    ``free`` (node id -> resources free now), when given, is preferred: the shape then fits
+    what is free, if anything does; else the shape is planned on what the nodes have, and the
+    placement group waits (time-boxed) for it.
+    """
     alive = [node for node in nodes if node.get("Alive")]
     has_gpus = any(node["Resources"].get("GPU", 0) >= 1 for node in alive)
     if spec is not None and not has_gpus:
@@ -72,6 +83,10 @@ def plan_shape(nodes: list[dict[str, Any]], n: int | None, spec: AcceleratorSpec
             f"{n} rank(s) of one {unit} each were asked for, but the Ray cluster has {total} {unit}(s) "
             f"in all: {listing(nodes)}. Ask for fewer (num_accelerators=) or add nodes; nothing was launched."
         )
+    if free is not None:
+        now = [(int(free.get(node["NodeID"], {}).get(unit, 0)), node) for _, node in sizes]
+        if sum(size for size, _ in now) >= n:
+            sizes = now
     # Biggest nodes first (fewest nodes); among equals, the caller's node first, then a stable order.
     sizes.sort(key=lambda item: (-item[0], item[1]["NodeID"] != here, item[1]["NodeID"]))
     counts, left = [], n
@@ -112,7 +127,7 @@ class Pool:
     """A shape's reservation and its agents, one per node; :meth:`release` gives it all back."""
 
     def __init__(self, shape: Shape, force_cpu: bool):
-        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from air_magic.backends.ray.agent import NodeAgent
@@ -122,20 +137,21 @@ class Pool:
         self.force_cpu = force_cpu
         self.agents: list[Any] = []
         self.nodes: list[dict[str, Any]] = []
+        self.broken = False  # a node of it was lost: the next call builds a new pool
+        self.in_use = threading.Lock()  # one call at a time on a pool
         bundles = [self._bundle(count) for count in shape.counts]
         strategy = "STRICT_SPREAD" if len(bundles) > 1 else "PACK"
         self.group = placement_group(bundles, strategy=strategy)
-        wait = place_wait_s()
-        ready, _ = ray.wait([self.group.ready()], timeout=wait)
-        if not ready:
-            remove_placement_group(self.group)
-            raise AcceleratorError(
-                f"the Ray cluster could not place {shape.world_size} rank(s) as {list(shape.counts)} "
-                f"{shape.unit}(s) per node within {wait:g} s (AIR_MAGIC_RAY_PLACE_WAIT): they are in use "
-                f"or the nodes are gone. Free now: {_free(ray)}. Nodes: {listing(ray.nodes())}. "
-                "Nothing was launched."
-            )
-        try:
+        try:  # from here on, any way out (Ctrl-C included) gives the reservation back
+            wait = place_wait_s()
+            ready, _ = ray.wait([self.group.ready()], timeout=wait)
+            if not ready:
+                raise AcceleratorError(
+                    f"the Ray cluster could not place {shape.world_size} rank(s) as {list(shape.counts)} "
+                    f"{shape.unit}(s) per node within {wait:g} s (AIR_MAGIC_RAY_PLACE_WAIT): they are in "
+                    f"use or the nodes are gone. Free now: {_free(ray)}. Nodes: {listing(ray.nodes())}. "
+                    "Nothing was launched."
+                )
             remote = ray.remote(NodeAgent)
             for index, count in enumerate(shape.counts):
                 options: dict[str, Any] = {
@@ -181,6 +197,8 @@ class Pool:
         )
 
     def alive(self) -> bool:
+        if self.broken:
+            return False
         ray = cluster.connect()
         try:
             ray.get([agent.ping.remote() for agent in self.agents], timeout=10)
@@ -227,15 +245,30 @@ def pool_for(n: int | None, spec: AcceleratorSpec | None) -> Pool:
     with _lock:
         here = ray.get_runtime_context().get_node_id()
         if _pool is not None:
-            # Our own reservation counts as free for the new plan: plan as if it were released.
+            if _pool.in_use.locked():
+                raise LaunchError(
+                    "another call of this process is running on the Ray cluster: one call at a time "
+                    "(its ranks hold the reserved nodes)"
+                )
+            # Planned on what the nodes have, the shape is the same from call to call: reused.
             wanted = plan_shape(ray.nodes(), n, spec, here)
             if wanted == _pool.shape and _pool.force_cpu == force_cpu and _pool.alive():
                 return _pool
             _pool.release()
             _pool = None
-        shape = plan_shape(ray.nodes(), n, spec, here)
+        shape = plan_shape(ray.nodes(), n, spec, here, _free_per_node())
         _pool = Pool(shape, force_cpu)
         return _pool
+
+
+def _free_per_node() -> dict[str, dict[str, float]] | None:
+    """What each node has free now (Ray's own accounting); None where this Ray does not say."""
+    try:
+        from ray._private import state
+
+        return dict(state.available_resources_per_node())
+    except Exception:  # noqa: BLE001 - a private API: without it, plan on what the nodes have
+        return None
 
 
 def release_all() -> None:

@@ -22,6 +22,7 @@ time with the offset its agent reported).
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import threading
@@ -52,23 +53,18 @@ INTERRUPT_GRACE_S = 1.0
 REPORTED_EXIT_S = 1.0  # as local: a rank that reported its error and has not exited by then has failed
 SETTLE_S = 0.5  # after the first failure, news still on its way from other nodes is taken in first
 STOP_WAIT_S = 10.0  # after the stop, how long agents get to report their ranks' exits
+MAX_POLL_ERRORS = 5  # an agent that fails this many polls in a row (unreachable, not dead) is lost
 START_WAIT_S = 120.0  # agents start ranks in milliseconds; a warm starter may import torch first
 COLLATERAL_S = 1e9  # added to a collateral failure's time: it sorts after every rank's own failure
 
-# What a rank raises when *another* rank failed: torch.distributed's errors and the words of
-# gloo, NCCL and the store when a peer vanished.
+# What a rank raises when *another* rank failed: torch.distributed's errors, and the words of
+# gloo, NCCL, c10d and the store in a RuntimeError when a peer vanished. Whole words only: a user's
+# "Failed to restore checkpoint" or "DataLoader timed out" is the user's own failure.
 _COLLATERAL_TYPES = ("DistBackendError", "DistNetworkError", "DistStoreError", "DistError")
-_COLLATERAL_WORDS = (
-    "connection closed by peer",
-    "connection reset by peer",
-    "broken pipe",
-    "socket timeout",
-    "timed out",
-    "gloo",
-    "nccl",
-    "processgroup",
-    "tcpstore",
-    "store",
+_COLLATERAL_WORDS = re.compile(
+    r"connection closed by peer|connection reset by peer|broken pipe|socket timeout"
+    r"|\b(gloo|nccl|c10d|processgroup\w*|tcpstore)\b",
+    re.IGNORECASE,
 )
 
 
@@ -77,10 +73,7 @@ def is_collateral(type_name: str, message: str) -> bool:
     short = type_name.rsplit(".", 1)[-1]
     if short in _COLLATERAL_TYPES:
         return True
-    if short != "RuntimeError":
-        return False
-    text = message.lower()
-    return any(word in text for word in _COLLATERAL_WORDS)
+    return short == "RuntimeError" and _COLLATERAL_WORDS.search(message) is not None
 
 
 class RankRecord:
@@ -99,10 +92,11 @@ class RankRecord:
         self.stopped_by_us = False
         self.node_lost = False
         self.status_lost = False
+        self.never_started = False  # the call was stopped before its agent started it
 
     @property
     def exited(self) -> bool:
-        return self.exit_code is not None or self.node_lost
+        return self.exit_code is not None or self.node_lost or self.never_started
 
 
 class RayRun:
@@ -138,8 +132,11 @@ class RayRun:
             self.ranks.extend(RankRecord(len(self.ranks), node) for _ in range(count))
         self.agents = pool.agents
         self.done_nodes: set[int] = set()
-        self.lost_nodes: set[int] = set()
-        self.polls: dict[Any, int] = {}
+        self.lost_nodes: set[int] = set()  # their agent died, or stopped answering
+        self.lost_reasons: dict[int, str] = {}
+        self.polls: dict[Any, int] = {}  # outstanding poll -> node
+        self.starts: dict[Any, int] = {}  # outstanding start -> node
+        self.poll_errors: dict[int, int] = {}
         self.teardown_at: float | None = None
         self.failed_rank: int | None = None
         self.metric_fds: dict[int, int] = {}
@@ -208,15 +205,19 @@ class RayRun:
     # -- starting ------------------------------------------------------------------------
 
     def _start(self) -> bool:
-        """Start every rank; False if the timeout or a stop came first (no rank then runs)."""
+        """Start every rank; False if the timeout or a stop came first (then _stop cleans up).
+
+        Each agent is polled as soon as its ranks are started, not when the slowest node is
+        ready: its ranks' output flows, and its watchdog sees a caller that is there.
+        """
         ray, nodes = self.ray, self.pool.nodes
         master = nodes[0]["ip"]
-        port = ray.get(self.agents[0].open_store.remote(self.world, master), timeout=START_WAIT_S)
+        opened = self.agents[0].open_store.remote(self.run_id, self.world, master)
+        port = ray.get(opened, timeout=START_WAIT_S)
         payload = ray.put(self.request.payload)  # once, whatever the number of nodes
         wait = self.starter_wait_s
         if self.deadline is not None:
             wait = max(0.0, min(wait, self.deadline - time.monotonic()))
-        refs = {}
         for node, agent in enumerate(self.agents):
             spec = {
                 "run_id": self.run_id,
@@ -235,29 +236,35 @@ class RayRun:
                 "warm_start": self.warm_start,
                 "starter_wait_s": wait,
             }
-            refs[agent.start.remote(spec, payload)] = node
-        pending = list(refs)
+            self.starts[agent.start.remote(spec, payload)] = node
         end = time.monotonic() + START_WAIT_S
-        while pending:
+        while self.starts:
             if self.stop_requested.is_set() or self._deadline_passed():
                 return False
-            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=TICK_S)
-            for ref in ready:
-                try:
-                    started = ray.get(ref)
-                except Exception as exc:  # an agent died or could not start a rank
-                    raise LaunchError(
-                        f"could not start the ranks on node {refs[ref]} ({nodes[refs[ref]]['ip']}): {exc}"
-                    ) from exc
-                for rank, pid in started:
-                    record = self.ranks[rank]
-                    record.pid, record.state = pid, RankState.RUNNING
-                    self.bus.emit(RankStarted(rank=rank, pid=pid))
             if time.monotonic() > end:
                 raise LaunchError(f"the Ray agents did not start the ranks within {START_WAIT_S:g} s")
-        for node, agent in enumerate(self.agents):
-            self.polls[agent.poll.remote(self.run_id, POLL_S)] = node
+            self._take_starts(TICK_S)
         return True
+
+    def _take_starts(self, wait_s: float) -> None:
+        """Take in the agents' answers to start(): pids, then a poll on that agent."""
+        ready, _ = self.ray.wait(list(self.starts), num_returns=len(self.starts), timeout=wait_s)
+        for ref in ready:
+            node = self.starts.pop(ref)
+            try:
+                started = self.ray.get(ref)
+            except Exception as exc:  # an agent died or could not start a rank
+                if _actor_died(exc):
+                    self._node_lost(node)
+                raise LaunchError(
+                    f"could not start the ranks on node {node} ({self.pool.nodes[node]['ip']}): {exc}"
+                ) from exc
+            finally:
+                self._repoll(node)
+            for rank, pid in started:
+                record = self.ranks[rank]
+                record.pid, record.state = pid, RankState.RUNNING
+                self.bus.emit(RankStarted(rank=rank, pid=pid))
 
     def _deadline_passed(self) -> bool:
         return self.deadline is not None and time.monotonic() >= self.deadline
@@ -309,13 +316,21 @@ class RayRun:
             node = self.polls.pop(ref)
             try:
                 events = self.ray.get(ref)
-            except Exception:  # noqa: BLE001 - the agent died: its node (or its raylet) is gone
-                self._node_lost(node)
+            except Exception as exc:  # noqa: BLE001 - the agent died, or is unreachable for now
+                self.poll_errors[node] = self.poll_errors.get(node, 0) + 1
+                if _actor_died(exc) or self.poll_errors[node] > MAX_POLL_ERRORS:
+                    self._node_lost(node)
+                else:
+                    self._repoll(node)
                 continue
+            self.poll_errors[node] = 0
             for event in events:
                 self._handle(node, event)
-            if node not in self.done_nodes:
-                self.polls[self.agents[node].poll.remote(self.run_id, POLL_S)] = node
+            self._repoll(node)
+
+    def _repoll(self, node: int) -> None:
+        if node not in self.done_nodes and node not in self.lost_nodes and node not in self.polls.values():
+            self.polls[self.agents[node].poll.remote(self.run_id, POLL_S)] = node
 
     def _handle(self, node: int, event: tuple[Any, ...]) -> None:
         kind = event[0]
@@ -328,9 +343,14 @@ class RayRun:
             record.error = data
             if record.raised_seen is None:
                 record.raised_seen = time.monotonic()
+        elif kind == "lost":  # the agent's watchdog: its node is going (the raylet died)
+            self.lost_reasons[node] = event[1]
+            self._node_lost(node)
         elif kind == "exit":
             _, rank, code, when, result, error, status_lost, teardown_at = event
             record = self.ranks[rank]
+            if record.node_lost:
+                return  # killed with its node: already reported as lost
             record.exit_code, record.exit_time, record.status_lost = code, when, status_lost
             record.result, record.error = result, error if error is not None else record.error
             self._exited(record, teardown_at)
@@ -339,6 +359,8 @@ class RayRun:
             self._append_metrics(rank, data)
         elif kind == "done":
             self.done_nodes.add(node)
+            if any(r.node == node and not r.exited and r.pid is not None for r in self.ranks):
+                self._node_lost(node)  # its agent stopped watching them (it said why in its log)
 
     def _exited(self, r: RankRecord, teardown_at: float | None) -> None:
         ok = r.exit_code == 0 and r.result is not None
@@ -358,6 +380,7 @@ class RayRun:
         if node in self.lost_nodes:
             return
         self.lost_nodes.add(node)
+        self.pool.broken = True  # the next call builds a new pool
         self.done_nodes.add(node)
         for r in self.ranks:
             if r.node == node and not r.exited:
@@ -383,18 +406,31 @@ class RayRun:
     # -- stopping --------------------------------------------------------------------------
 
     def _stop(self, grace_s: float) -> None:
-        """Every agent stops its ranks; their exits are taken in (at most STOP_WAIT_S + grace)."""
-        if all(r.exited for r in self.ranks) and self.teardown_at is not None:
+        """Every agent stops its ranks of this call (also ranks it is still starting); their exits
+        are taken in, for at most STOP_WAIT_S + grace. Returns with every rank accounted for."""
+        if self.teardown_at is not None and all(r.exited for r in self.ranks) and not self.starts:
             return
         if self.teardown_at is None:
             self.teardown_at = time.monotonic()
         for node, agent in enumerate(self.agents):
-            if node not in self.lost_nodes and any(r.node == node and not r.exited for r in self.ranks):
-                agent.stop.remote(grace_s)
+            if node not in self.lost_nodes:
+                agent.stop.remote(self.run_id, grace_s)
         end = time.monotonic() + grace_s + STOP_WAIT_S
         try:
+            while self.starts and time.monotonic() < end:  # a start still on its way: its pids
+                try:
+                    self._take_starts(TICK_S)
+                except LaunchError:
+                    pass  # that node's ranks were stopped by its agent; the error is not the story
+            for r in self.ranks:
+                if r.pid is None and not r.exited and r.node not in self.lost_nodes and not self.starts:
+                    r.never_started, r.state = True, RankState.KILLED
+            for node in range(len(self.agents)):
+                self._repoll(node)  # a poll lost to an interrupt, say
             while self.polls and time.monotonic() < end:
-                if all(r.exited for r in self.ranks) and len(self.done_nodes) == len(self.agents):
+                if all(r.exited for r in self.ranks) and len(self.done_nodes | self.lost_nodes) == len(
+                    self.agents
+                ):
                     break
                 self._pump(min(TICK_S, max(0.0, end - time.monotonic())))
         except KeyboardInterrupt:  # a second interrupt: no more waiting
@@ -404,7 +440,7 @@ class RayRun:
                 self._node_lost(r.node)
 
     def _finish_agents(self) -> None:
-        refs = [a.finish.remote() for n, a in enumerate(self.agents) if n not in self.lost_nodes]
+        refs = [a.finish.remote(self.run_id) for a in self.agents]
         try:
             self.ray.wait(refs, num_returns=len(refs), timeout=STOP_WAIT_S)
         except Exception:  # noqa: BLE001 - an agent that died meanwhile has nothing to clean
@@ -457,6 +493,7 @@ class RayRun:
 
     def _failure_error(self) -> BaseException:
         failures: list[RankFailure] = []
+        collateral: set[int] = set()
         lost: list[RankRecord] = []
         for r in self.ranks:
             if r.state is not RankState.FAILED:
@@ -470,12 +507,13 @@ class RayRun:
                 when = clock + record.time
                 if is_collateral(record.type_name, record.message):
                     when += COLLATERAL_S
+                    collateral.add(r.rank)
                 failures.append(RankFailure(r.rank, when, r.exit_code, record))
             else:
                 code = None if r.status_lost else r.exit_code
                 when = clock + (r.exit_time if r.exit_time is not None else time.monotonic())
                 failures.append(RankFailure(r.rank, when, code, None))
-        own = [f for f in failures if f.time < COLLATERAL_S / 2]
+        own = [f for f in failures if f.rank not in collateral]
         if lost and not own:
             return self._lost_error(lost, failures)
         if not failures:
@@ -495,8 +533,9 @@ class RayRun:
         ranks = ", ".join(str(r.rank) for r in lost)
         tail = "\n".join(f"    {line}" for line in self.router.tails[first.rank].last(10)) or "    (nothing)"
         message = (
-            f"the Ray node {node['ip']} (node {first.node}) was lost during the call: its agent died, and "
-            f"rank(s) {ranks} with it (the node died, its raylet was killed, or the agent was killed). "
+            f"the Ray node {node['ip']} (node {first.node}) was lost during the call: "
+            f"{self.lost_reasons.get(first.node, 'its agent died')}, and rank(s) {ranks} with it "
+            "(the node died, its raylet was killed, or the agent was killed). "
             f"Every other rank was stopped.\n  Last lines of rank {first.rank}:\n{tail}\n"
             f"  Logs: {self.log_dir}"
         )
@@ -514,3 +553,9 @@ def _death_words(r: RankRecord) -> str:
     if r.exit_code is not None and r.exit_code == -signal.SIGKILL:
         return "killed by SIGKILL"
     return exit_words(None if r.status_lost else r.exit_code)
+
+
+def _actor_died(exc: BaseException) -> bool:
+    from ray.exceptions import ActorDiedError
+
+    return isinstance(exc, ActorDiedError)
