@@ -1,6 +1,6 @@
 """air_magic on a Ray cluster against Ray Train's TorchTrainer: the same trivial job, same cluster, same run.
 
-    python benchmarks/ray_cluster.py [--pairs 5] [--lines 200] [--no-train] [--no-faults]
+    python benchmarks/ray_cluster.py [--pairs 5] [--lines 200] [--no-train] [--no-faults] [--hide-gpus]
 
 The cluster is a real 2-node Ray cluster on this machine (``ray.cluster_utils.Cluster``,
 every listener on 127.0.0.1, one fake GPU per node, so 2 ranks span both nodes;
@@ -41,6 +41,8 @@ from trivial_job import trivial  # noqa: E402
 from air_magic.launch.settings import make_settings  # noqa: E402
 from air_magic.protocol.events import RankOutput  # noqa: E402
 from air_magic.session.call import run_call  # noqa: E402
+
+HIDE_GPUS = False
 
 
 def stamped_lines(n: int) -> int:
@@ -102,6 +104,8 @@ class Recording:
 def call(fn, *args, n=2, consumer=None, **settings):
     from air_magic.backends.ray.backend import RayBackend
 
+    if HIDE_GPUS:  # the ranks are CPU ranks with gloo even where the machine has a real GPU
+        settings["env"] = {"CUDA_VISIBLE_DEVICES": ""}
     made = make_settings(num_accelerators=n, cluster="ray", display="none", tracking=False, **settings)
     backend = RayBackend()
     if consumer is not None:
@@ -203,7 +207,10 @@ def main() -> None:
     parser.add_argument("--lines", type=int, default=200)
     parser.add_argument("--no-train", action="store_true")
     parser.add_argument("--no-faults", action="store_true")
+    parser.add_argument("--hide-gpus", action="store_true", help="on a GPU machine: CPU ranks (gloo)")
     args = parser.parse_args()
+    global HIDE_GPUS
+    HIDE_GPUS = args.hide_gpus
 
     import ray
     from ray.cluster_utils import Cluster

@@ -33,6 +33,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import select
 import selectors
 import shutil
 import signal
@@ -42,7 +43,7 @@ import threading
 import time
 import traceback
 from dataclasses import asdict
-from typing import Any
+from typing import Any, NoReturn
 
 from air_magic import paths, private_files
 from air_magic.backends.local import warm
@@ -190,20 +191,20 @@ class NodeAgent:
         return root
 
     def _watchdog(self) -> None:
+        """The raylet's death wakes this thread at once (a pidfd on it; else a check of the parent
+        every WATCHDOG_S); the caller's silence is checked every WATCHDOG_S."""
+        raylet_fd = None
+        try:
+            raylet_fd = os.pidfd_open(self._parent)
+        except (AttributeError, OSError):  # an old kernel: the parent check below still works
+            raylet_fd = None
         while True:
-            time.sleep(WATCHDOG_S)
+            if raylet_fd is not None:
+                select.select([raylet_fd], [], [], WATCHDOG_S)
+            else:
+                time.sleep(WATCHDOG_S)
             if os.getppid() != self._parent:
-                # The raylet is gone. Ray notices only after its health checks (~15 s) and leaves
-                # this process running: end the ranks now, then this process (lifelines close).
-                call = self._call
-                if call is not None:
-                    # Said first, so the caller (reached directly, not through the raylet) can tell
-                    # the node's death from its ranks' SIGKILLs that follow.
-                    self._emit(call.run_id, ("lost", "its raylet died"))
-                    call.kill_now()
-                    time.sleep(WATCHDOG_S)  # a poll in flight takes the news
-                    shutil.rmtree(call.run_dir, ignore_errors=True)
-                os._exit(1)
+                self._raylet_died()
             call = self._call
             if (
                 call is not None
@@ -211,6 +212,19 @@ class NodeAgent:
                 and time.monotonic() - self._last_poll > CALLER_SILENT_S
             ):
                 call.stop(0)
+
+    def _raylet_died(self) -> NoReturn:
+        """Ray notices only after its health checks (~15 s), and may leave this process running:
+        end the ranks now, then this process (their lifelines close with it)."""
+        call = self._call
+        if call is not None:
+            # Said first, so that the caller (reached directly, not through the raylet) can tell
+            # the node's death from its ranks' SIGKILLs that follow.
+            self._emit(call.run_id, ("lost", "its raylet died"))
+            call.kill_now()
+            time.sleep(WATCHDOG_S)  # a poll in flight takes the news
+            shutil.rmtree(call.run_dir, ignore_errors=True)
+        os._exit(1)
 
 
 class NodeCall:

@@ -54,6 +54,10 @@ REPORTED_EXIT_S = 1.0  # as local: a rank that reported its error and has not ex
 SETTLE_S = 0.5  # after the first failure, news still on its way from other nodes is taken in first
 STOP_WAIT_S = 10.0  # after the stop, how long agents get to report their ranks' exits
 MAX_POLL_ERRORS = 5  # an agent that fails this many polls in a row (unreachable, not dead) is lost
+# A live agent answers every poll within POLL_S. One silent this long is taken for lost: when a
+# node dies, Ray may end the agent's process before its watchdog can say so, and tells the
+# caller only after its own health checks (12-15 s, measured).
+SILENT_AGENT_S = 5.0
 START_WAIT_S = 120.0  # agents start ranks in milliseconds; a warm starter may import torch first
 COLLATERAL_S = 1e9  # added to a collateral failure's time: it sorts after every rank's own failure
 
@@ -135,6 +139,8 @@ class RayRun:
         self.lost_nodes: set[int] = set()  # their agent died, or stopped answering
         self.lost_reasons: dict[int, str] = {}
         self.polls: dict[Any, int] = {}  # outstanding poll -> node
+        self.polled_at: dict[int, float] = {}  # node -> when its outstanding poll was sent
+        self.side_calls: list[Any] = []  # stop() calls, fetched at the end
         self.starts: dict[Any, int] = {}  # outstanding start -> node
         self.poll_errors: dict[int, int] = {}
         self.teardown_at: float | None = None
@@ -311,6 +317,9 @@ class RayRun:
         if not self.polls:
             time.sleep(wait_s)
             return
+        self._silent_agents()
+        if not self.polls:
+            return
         ready, _ = self.ray.wait(list(self.polls), num_returns=1, timeout=max(0.0, wait_s))
         for ref in ready:
             node = self.polls.pop(ref)
@@ -331,6 +340,15 @@ class RayRun:
     def _repoll(self, node: int) -> None:
         if node not in self.done_nodes and node not in self.lost_nodes and node not in self.polls.values():
             self.polls[self.agents[node].poll.remote(self.run_id, POLL_S)] = node
+            self.polled_at[node] = time.monotonic()
+
+    def _silent_agents(self) -> None:
+        now = time.monotonic()
+        for ref, node in list(self.polls.items()):
+            if now - self.polled_at.get(node, now) > POLL_S + SILENT_AGENT_S:
+                del self.polls[ref]
+                self.lost_reasons.setdefault(node, f"its agent did not answer for {SILENT_AGENT_S:g} s")
+                self._node_lost(node)
 
     def _handle(self, node: int, event: tuple[Any, ...]) -> None:
         kind = event[0]
@@ -412,9 +430,8 @@ class RayRun:
             return
         if self.teardown_at is None:
             self.teardown_at = time.monotonic()
-        for node, agent in enumerate(self.agents):
-            if node not in self.lost_nodes:
-                agent.stop.remote(self.run_id, grace_s)
+        for agent in self.agents:  # a node taken for lost may only be silent: told too
+            self.side_calls.append(agent.stop.remote(self.run_id, grace_s))
         end = time.monotonic() + grace_s + STOP_WAIT_S
         try:
             while self.starts and time.monotonic() < end:  # a start still on its way: its pids
@@ -445,6 +462,14 @@ class RayRun:
             self.ray.wait(refs, num_returns=len(refs), timeout=STOP_WAIT_S)
         except Exception:  # noqa: BLE001 - an agent that died meanwhile has nothing to clean
             pass
+        # Fetched, so that Ray does not print "unhandled error" for a dead agent's answers later.
+        for ref in [*refs, *self.side_calls, *self.polls]:
+            try:
+                ready, _ = self.ray.wait([ref], timeout=0)
+                if ready:
+                    self.ray.get(ref)
+            except Exception:  # noqa: BLE001 - a dead agent's answer: nothing to do
+                pass
 
     # -- outcomes --------------------------------------------------------------------------
 
