@@ -457,9 +457,14 @@ class RayRun:
                 self._node_lost(r.node)
 
     def _finish_agents(self) -> None:
+        """Every live agent closes the store and removes its call folder before the call returns.
+        A lost node's agent is told too (it may only have been silent) but not waited for: a
+        dead actor's answer comes only after Ray's health checks (measured: 1.4 s of a 1.9 s
+        node-loss error went there)."""
         refs = [a.finish.remote(self.run_id) for a in self.agents]
+        live = [ref for node, ref in enumerate(refs) if node not in self.lost_nodes]
         try:
-            self.ray.wait(refs, num_returns=len(refs), timeout=STOP_WAIT_S)
+            self.ray.wait(live, num_returns=len(live), timeout=STOP_WAIT_S)
         except Exception:  # noqa: BLE001 - an agent that died meanwhile has nothing to clean
             pass
         # Fetched, so that Ray does not print "unhandled error" for a dead agent's answers later.
