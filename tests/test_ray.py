@@ -36,13 +36,25 @@ def cluster(ray_cluster):
     _nothing_left()
 
 
+SEEN_AGENTS: set[int] = set()  # pids of every node agent of this session's calls
+
+
 def _call_folders() -> list[str]:
-    """Call folders of Ray calls on this machine's nodes (their agents' temp folder: /tmp here)."""
+    """Call folders left on the nodes (their agents' temp folder: /tmp here) by agents of this
+    session, alive or dead (another session's Ray on this machine has folders of its own)."""
     import glob
     import tempfile
 
+    from air_magic.private_files import _OWNED_NAME
+
     roots = {"/tmp", os.environ.get("TMPDIR") or "/tmp"} - {tempfile.gettempdir()}
-    return [p for root in roots for p in glob.glob(os.path.join(root, "air_magic-20*"))]
+    found = []
+    for root in roots:
+        for path in glob.glob(os.path.join(root, "air_magic-20*")):
+            owner = _OWNED_NAME.match(os.path.basename(path))
+            if owner is not None and int(owner["pid"]) in SEEN_AGENTS:
+                found.append(path)
+    return found
 
 
 def _nothing_left() -> None:
@@ -53,6 +65,8 @@ def _nothing_left() -> None:
 
     pool = placement.current()
     kept = {pool.group.id.hex()} if pool is not None else set()
+    if pool is not None:
+        SEEN_AGENTS.update(node["pid"] for node in pool.nodes)
     deadline = time.monotonic() + 10
     while True:
         groups = {k for k, v in placement_group_table().items() if v["state"] != "REMOVED"}
@@ -160,6 +174,14 @@ def logs_metrics():
 
 
 # -- tests ---------------------------------------------------------------------------------
+
+
+def _remember_agents() -> None:
+    from air_magic.backends.ray import placement
+
+    pool = placement.current()
+    if pool is not None:
+        SEEN_AGENTS.update(node["pid"] for node in pool.nodes)
 
 
 def test_ranks_span_nodes_with_torchruns_variables(cluster):
@@ -321,6 +343,7 @@ def test_a_node_removed_mid_run_fails_the_call_and_its_ranks_die(cluster, tmp_pa
     _wait_ready(ready, 3)
     pids = {e.rank: e.pid for e in recorder.events if isinstance(e, RankStarted)}
     rank, node = _rank_on_a_worker_node(cluster)
+    _remember_agents()
     try:
         removed = time.monotonic()
         cluster.remove_node(node, allow_graceful=False)
@@ -347,6 +370,7 @@ def test_a_killed_raylet_takes_its_ranks_with_it(cluster, tmp_path):
     _wait_ready(ready, 3)
     pids = {e.rank: e.pid for e in recorder.events if isinstance(e, RankStarted)}
     rank, node = _rank_on_a_worker_node(cluster)
+    _remember_agents()
     try:
         raylet = node.all_processes["raylet"][0].process
         killed = time.monotonic()
@@ -445,3 +469,57 @@ def test_ray_init_starts_a_local_ray_on_loopback_with_a_private_token(tmp_path):
     assert stat.S_IMODE(os.stat(facts["token"]).st_mode) == 0o600
     assert facts["token"].startswith(str(tmp_path / "state"))
     assert "started a local Ray (listening on 127.0.0.1 only)" in proc.stderr
+
+
+CALLER = textwrap.dedent(
+    """
+    import os, sys, time
+    import ray
+    ray.init(address=sys.argv[1], log_to_driver=False, configure_logging=False)
+    from air_magic import distributed
+
+    def sleeper(folder):
+        with open(os.path.join(folder, os.environ["RANK"]), "w") as f:
+            f.write(str(os.getpid()))
+        time.sleep(600)
+
+    run = distributed(num_accelerators=3, cluster="ray", display="none", tracking=False)(sleeper)
+    run.distributed(sys.argv[2])
+    """
+)
+
+
+@pytest.mark.fault(
+    "the caller of a Ray call is SIGKILLed mid-run", "every rank on every node dies within seconds"
+)
+def test_when_the_caller_dies_every_rank_on_every_node_dies(cluster, tmp_path):
+    from air_magic.backends.ray import placement
+
+    placement.release_all()  # the GPUs this session's agents hold go to the other caller
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    caller = subprocess.Popen(
+        [sys.executable, "-c", CALLER, cluster.address, str(ready)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while len(os.listdir(ready)) < 3:
+            assert caller.poll() is None, caller.communicate()[1][-2000:]
+            assert time.monotonic() < deadline, "the ranks did not start"
+            time.sleep(0.05)
+        time.sleep(0.2)  # every pid is written
+        pids = [int((ready / name).read_text()) for name in os.listdir(ready)]
+        caller.kill()
+        caller.wait()
+        killed = time.monotonic()
+        while [pid for pid in pids if _alive(pid)]:
+            assert time.monotonic() - killed < 30, "ranks outlived their caller"
+            time.sleep(0.05)
+    finally:
+        if caller.poll() is None:
+            caller.kill()
+        caller.communicate()

@@ -104,3 +104,21 @@ def test_the_cluster_setting():
     for bad in ("spark", "ray=", 3):
         with pytest.raises(ConfigurationError, match="cluster must be"):
             make_settings(cluster=bad)
+
+
+def test_without_ray_the_error_names_the_extra(tmp_path):
+    import subprocess
+    import sys
+
+    script = (
+        "import sys; sys.modules['ray'] = None\n"  # as if Ray were not installed
+        "from air_magic import distributed\n"
+        "try:\n"
+        "    distributed(num_accelerators=2, cluster='ray', tracking=False)(print).distributed()\n"
+        "except ImportError as exc:\n"
+        "    print('ImportError:', exc)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert 'pip install "air_magic[ray]"' in out.stdout, out.stderr[-2000:]
