@@ -67,7 +67,7 @@ def _nothing_left() -> None:
     kept = {pool.group.id.hex()} if pool is not None else set()
     if pool is not None:
         SEEN_AGENTS.update(node["pid"] for node in pool.nodes)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30  # a removed node's agent stays ALIVE in Ray's records ~15 s
     while True:
         groups = {k for k, v in placement_group_table().items() if v["state"] != "REMOVED"}
         actors = [a for a in ray._private.state.actors().values() if a["State"] == "ALIVE"]
@@ -517,7 +517,7 @@ def test_when_the_caller_dies_every_rank_on_every_node_dies(cluster, tmp_path):
         caller.wait()
         killed = time.monotonic()
         while [pid for pid in pids if _alive(pid)]:
-            assert time.monotonic() - killed < 30, "ranks outlived their caller"
+            assert time.monotonic() - killed < 45, "ranks outlived their caller"
             time.sleep(0.05)
     finally:
         if caller.poll() is None:

@@ -34,6 +34,8 @@ def run_as_driver(
     ray = cluster.require_ray()
     if not ray.is_initialized():
         cluster.ray_init(address or None)
+    elif address:
+        cluster.check_address(address)
     # The agents of an earlier cluster='ray' call hold their GPUs for the next call; the driver's
     # own work needs them now.
     placement.release_all()

@@ -114,16 +114,22 @@ class NodeAgent:
         with self._cond:
             if run_id in self._stopped:
                 return []
-            previous = self._call
-            if previous is not None and not previous.finished:
-                # The caller ends each call (finish) before the next; one still running here was
-                # abandoned (its caller lost): it goes, rather than blocking this node for good.
-                previous.stop(0)
-                previous.close()
+            previous, self._call = self._call, None
             self._events.clear()
             self._run_id = run_id
             self._last_poll = time.monotonic()
-            call = self._call = NodeCall(spec, payload, self._emit, self._log_root())
+        if previous is not None:
+            # The caller ends each call (finish) before the next; one still here was abandoned
+            # (its caller lost): it goes, rather than blocking this node for good. Outside the
+            # lock: its watch thread still emits (into nothing: the run id changed) while it ends.
+            previous.stop(0)
+            previous.close()
+        call = NodeCall(spec, payload, self._emit, self._log_root())
+        with self._cond:
+            if run_id in self._stopped:  # stopped while the call folder was written
+                call.close()
+                return []
+            self._call = call
         try:
             return call.start()
         finally:
@@ -208,6 +214,7 @@ class NodeAgent:
             call = self._call
             if (
                 call is not None
+                and call.started
                 and not call.finished
                 and time.monotonic() - self._last_poll > CALLER_SILENT_S
             ):
@@ -236,9 +243,14 @@ class NodeCall:
         self.emit = functools.partial(emit, self.run_id)
         self.log_root = log_root
         self.run_dir = private_files.private_tempdir(self.run_id)
-        self.metrics_dir = os.path.join(self.run_dir, METRICS_FOLDER)
-        os.mkdir(self.metrics_dir, 0o700)
-        self._write_call_files(payload)
+        try:
+            self.metrics_dir = os.path.join(self.run_dir, METRICS_FOLDER)
+            os.mkdir(self.metrics_dir, 0o700)
+            self._write_call_files(payload)
+        except BaseException:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+            raise
+        self.started = False  # every rank is started (or the start ended): the watchdog may act
         self.ranks: list[RankSlot] = []
         self.selector = selectors.DefaultSelector()
         self.tracker = DescendantTracker()
@@ -276,9 +288,21 @@ class NodeCall:
             raise
 
     def _start(self) -> list[tuple[int, int]]:
+        try:
+            return self._start_ranks()
+        finally:
+            self.started = True
+
+    def _start_ranks(self) -> list[tuple[int, int]]:
+        lifeline_r, self.lifeline_w = os.pipe()  # the agent holds the write end: ranks die with it
+        try:
+            return self._start_with(lifeline_r)
+        finally:
+            os.close(lifeline_r)
+
+    def _start_with(self, lifeline_r: int) -> list[tuple[int, int]]:
         spec = self.spec
         cwd = spec["cwd"] if os.path.isdir(spec["cwd"]) else os.getcwd()
-        lifeline_r, self.lifeline_w = os.pipe()
         gpus = tuple(detect_gpus()) if not spec["cpu_mode"] else ()
         plan = AcceleratorPlan(world_size=spec["world_size"], gpus=gpus, detected=spec["detected"])
         extra = dict(spec["env"])
@@ -305,40 +329,52 @@ class NodeCall:
             )
             for local_rank, rank in enumerate(spec["ranks"])
         ]
-        starter = None
-        if spec["warm_start"] and envs:
-            starter = warm.get_starter(
-                self.log_root, warm.startup_environment(envs[0]), wait_s=spec.get("starter_wait_s", 0.0)
-            )
-        started = []
-        try:
-            for rank, env in zip(spec["ranks"], envs, strict=True):
+        starter = self._ready_starter(envs[0]) if spec["warm_start"] and envs else None
+        started: list[tuple[int, int]] = []
+        for rank, env in zip(spec["ranks"], envs, strict=True):
+            with self._stop_lock:  # a stop either sees this rank, or comes before it is started
                 if self._stopping.is_set():
                     break  # stopped while starting: no more ranks
-                out_r, out_w = os.pipe()
-                err_r, err_w = os.pipe()
-                try:
-                    proc = self._spawn(starter, rank, env, cwd, out_w, err_w, lifeline_r)
-                except OSError:
-                    os.close(out_r)
-                    os.close(err_r)
-                    raise
-                finally:
-                    os.close(out_w)
-                    os.close(err_w)
-                slot = RankSlot(rank, proc)
-                self.ranks.append(slot)
-                for stream, fd in (("stdout", out_r), ("stderr", err_r)):
-                    os.set_blocking(fd, False)
-                    self.selector.register(fd, selectors.EVENT_READ, (slot, stream))
-                if slot.pidfd is not None:
-                    self.selector.register(slot.pidfd, selectors.EVENT_READ, (slot, None))
-                started.append((rank, proc.pid))
-        finally:
-            os.close(lifeline_r)
+                started.append(self._start_rank(starter, rank, env, cwd, lifeline_r))
         self._thread = threading.Thread(target=self._watch, name="air_magic-agent-watch", daemon=True)
         self._thread.start()
         return started
+
+    def _ready_starter(self, env: dict[str, str]) -> warm.Starter | None:
+        """This node's warm starter, waited for in slices so that a stop is seen while it imports."""
+        end = time.monotonic() + float(self.spec.get("starter_wait_s", 0.0))
+        startup = warm.startup_environment(env)
+        while True:
+            slice_s = min(TICK_S, max(0.0, end - time.monotonic()))
+            starter = warm.get_starter(self.log_root, startup, wait_s=slice_s)
+            if starter is not None or warm.starting() is None:
+                return starter
+            if self._stopping.is_set() or time.monotonic() >= end:
+                return None
+
+    def _start_rank(
+        self, starter: warm.Starter | None, rank: int, env: dict[str, str], cwd: str, lifeline_r: int
+    ) -> tuple[int, int]:
+        """One rank: its pipes, the process (forked or fresh), and its place in the selector."""
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        try:
+            proc = self._spawn(starter, rank, env, cwd, out_w, err_w, lifeline_r)
+        except OSError:
+            os.close(out_r)
+            os.close(err_r)
+            raise
+        finally:
+            os.close(out_w)
+            os.close(err_w)
+        slot = RankSlot(rank, proc)
+        self.ranks.append(slot)
+        for stream, fd in (("stdout", out_r), ("stderr", err_r)):
+            os.set_blocking(fd, False)
+            self.selector.register(fd, selectors.EVENT_READ, (slot, stream))
+        if slot.pidfd is not None:
+            self.selector.register(slot.pidfd, selectors.EVENT_READ, (slot, None))
+        return rank, proc.pid
 
     def _spawn(
         self,

@@ -118,12 +118,17 @@ def check_address(address: str) -> None:
     """Refuse a call for cluster ``address`` while this process is connected to another one."""
     ray = require_ray()
     current = getattr(ray.get_runtime_context(), "gcs_address", None) or ""
-    if address not in (current, "auto"):
+    if _host_port(address) not in (_host_port(current), "auto"):
         raise ConfigurationError(
             f"cluster='ray={address}' was asked for, but this process is connected to the Ray cluster at "
             f"{current} (one cluster per process, Ray's rule). ray.shutdown() first, or leave the "
             "address out."
         )
+
+
+def _host_port(address: str) -> str:
+    host, _, port = address.rpartition(":")
+    return f"{'127.0.0.1' if host in ('localhost', '') else host}:{port}" if port.isdigit() else address
 
 
 def connect() -> Any:

@@ -250,9 +250,15 @@ def pool_for(n: int | None, spec: AcceleratorSpec | None) -> Pool:
                     "another call of this process is running on the Ray cluster: one call at a time "
                     "(its ranks hold the reserved nodes)"
                 )
-            # Planned on what the nodes have, the shape is the same from call to call: reused.
+            # The pool serves any call for as many ranks of the same kind, however it was laid out
+            # (it was planned on what was free then).
             wanted = plan_shape(ray.nodes(), n, spec, here)
-            if wanted == _pool.shape and _pool.force_cpu == force_cpu and _pool.alive():
+            same = (wanted.world_size, wanted.unit, wanted.model) == (
+                _pool.shape.world_size,
+                _pool.shape.unit,
+                _pool.shape.model,
+            )
+            if same and _pool.force_cpu == force_cpu and _pool.alive():
                 return _pool
             _pool.release()
             _pool = None
@@ -271,11 +277,14 @@ def _free_per_node() -> dict[str, dict[str, float]] | None:
         return None
 
 
-def release_all() -> None:
-    """Give the cluster back every reservation and agent of this process."""
+def release_all(force: bool = False) -> None:
+    """Give the cluster back every reservation and agent of this process (not under a running
+    call, unless ``force``: the process is exiting)."""
     global _pool
     with _lock:
         if _pool is not None:
+            if _pool.in_use.locked() and not force:
+                raise LaunchError("a call of this process is running on the Ray cluster; it holds the nodes")
             _pool.release()
             _pool = None
 
@@ -284,4 +293,4 @@ def current() -> Pool | None:
     return _pool
 
 
-atexit.register(release_all)
+atexit.register(release_all, force=True)

@@ -141,6 +141,7 @@ class RayRun:
         self.polls: dict[Any, int] = {}  # outstanding poll -> node
         self.polled_at: dict[int, float] = {}  # node -> when its outstanding poll was sent
         self.side_calls: list[Any] = []  # stop() calls, fetched at the end
+        self._started_nodes: set[int] = set()  # nodes whose start() has answered
         self.starts: dict[Any, int] = {}  # outstanding start -> node
         self.poll_errors: dict[int, int] = {}
         self.teardown_at: float | None = None
@@ -250,6 +251,7 @@ class RayRun:
             if time.monotonic() > end:
                 raise LaunchError(f"the Ray agents did not start the ranks within {START_WAIT_S:g} s")
             self._take_starts(TICK_S)
+            self._pump(0.0)  # the nodes already started: their output, and proof of a caller
         return True
 
     def _take_starts(self, wait_s: float) -> None:
@@ -271,6 +273,15 @@ class RayRun:
                 record = self.ranks[rank]
                 record.pid, record.state = pid, RankState.RUNNING
                 self.bus.emit(RankStarted(rank=rank, pid=pid))
+            self._started_nodes.add(node)
+            missing = [r for r in self.ranks if r.node == node and r.pid is None]
+            if missing and self.teardown_at is None:
+                raise LaunchError(
+                    f"node {node} ({self.pool.nodes[node]['ip']}) started {len(started)} of its "
+                    f"{len(started) + len(missing)} ranks: its agent stopped the call (see its log)"
+                )
+            if not started:
+                self.done_nodes.add(node)  # nothing ran there: no events will come
 
     def _deadline_passed(self) -> bool:
         return self.deadline is not None and time.monotonic() >= self.deadline
@@ -346,6 +357,9 @@ class RayRun:
         now = time.monotonic()
         for ref, node in list(self.polls.items()):
             if now - self.polled_at.get(node, now) > POLL_S + SILENT_AGENT_S:
+                ready, _ = self.ray.wait([ref], timeout=0)
+                if ready:
+                    continue  # it answered; the answer is simply not read yet
                 del self.polls[ref]
                 self.lost_reasons.setdefault(node, f"its agent did not answer for {SILENT_AGENT_S:g} s")
                 self._node_lost(node)
@@ -439,8 +453,12 @@ class RayRun:
                     self._take_starts(TICK_S)
                 except LaunchError:
                     pass  # that node's ranks were stopped by its agent; the error is not the story
+            pending = set(self.starts.values())
+            for node in range(len(self.agents)):
+                if node not in pending and node not in self._started_nodes:
+                    self.done_nodes.add(node)  # its start was never sent (an interrupt before)
             for r in self.ranks:
-                if r.pid is None and not r.exited and r.node not in self.lost_nodes and not self.starts:
+                if r.pid is None and not r.exited and r.node not in self.lost_nodes and r.node not in pending:
                     r.never_started, r.state = True, RankState.KILLED
             for node in range(len(self.agents)):
                 self._repoll(node)  # a poll lost to an interrupt, say
