@@ -242,10 +242,13 @@ def interrupt_tracked_caller(folder: Path, metrics_per_rank: int = 0) -> tuple[s
     return proc.communicate(timeout=60)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_cluster():
     """A real Ray cluster of 3 nodes on this machine, one fake GPU each (placement spreads ranks
-    over nodes; the ranks run on the CPU with gloo, as no node has an NVIDIA driver). Loopback only."""
+    over nodes; the ranks run on the CPU with gloo, as no node has an NVIDIA driver). Loopback only.
+
+    One per test module, gone before the next module: a connected driver holds sockets and Ray's
+    processes are this process's children, which the other modules' tests would count as theirs."""
     # Before Ray is imported (it reads them then): every listener and address on 127.0.0.1 (NOTES.md).
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
@@ -264,6 +267,12 @@ def ray_cluster():
     ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
     cluster.node_args = node  # for tests that add a node back
     yield cluster
-    placement.release_all()
+    placement.release_all(force=True)
     ray.shutdown()
     cluster.shutdown()
+    deadline = time.monotonic() + 20
+    while any(_rays_own(p) for p in psutil.Process().children(recursive=True)):
+        if time.monotonic() > deadline:
+            break  # the next test's leftover check names them
+        _reap_zombies()
+        time.sleep(0.1)
