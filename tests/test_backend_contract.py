@@ -7,8 +7,9 @@ the error, the events, the log folder, and that nothing is left behind (the
 ``no_leftovers`` fixture of conftest.py runs after every test).
 
 Backends today: ``local-fresh`` (a fresh interpreter per rank), ``local-warm``
-(ranks forked from the warm starter) and ``ray-warm`` (ranks forked by an agent
-on each node of a real 3-node Ray cluster, conftest.ray_cluster).
+(ranks forked from the warm starter), ``ray-warm`` (ranks forked by an agent on
+each node of a real 3-node Ray cluster, conftest.ray_cluster) and ``ray-fresh``
+(fresh interpreters started by those agents).
 """
 
 from __future__ import annotations
@@ -34,22 +35,25 @@ from air_magic.session.history import last_run
 pytestmark = pytest.mark.contract
 
 
-def _ray():
+def _ray(warm_start: bool):
     from air_magic.backends.ray.backend import RayBackend
 
-    return RayBackend(warm_start=True)
+    return RayBackend(warm_start=warm_start)
 
 
 BACKENDS = {
     "local-fresh": lambda: LocalBackend(warm_start=False),
     "local-warm": lambda: LocalBackend(warm_start=True),
-    "ray-warm": _ray,  # a real 3-node Ray cluster on this machine (conftest.ray_cluster)
+    # A real 3-node Ray cluster on this machine (conftest.ray_cluster): ranks forked by each
+    # node's agent from its warm starter, or fresh interpreters started by the agent.
+    "ray-warm": lambda: _ray(True),
+    "ray-fresh": lambda: _ray(False),
 }
 
 
-# local-warm rebuilds the warm starter for each test (1-2 s), ray-warm starts a Ray cluster
-# once (10-20 s): their parts of the suite are slow.
-SLOW = {"local-warm", "ray-warm"}
+# local-warm rebuilds the warm starter for each test (1-2 s), the Ray backends start a Ray
+# cluster (10-20 s): their parts of the suite are slow.
+SLOW = {"local-warm", "ray-warm", "ray-fresh"}
 PARAMS = [pytest.param(name, marks=pytest.mark.slow if name in SLOW else ()) for name in sorted(BACKENDS)]
 
 
