@@ -93,7 +93,6 @@ class RankRecord:
         self.result: bytes | None = None
         self.error: bytes | None = None
         self.raised_seen: float | None = None  # the caller's clock, when its error record arrived
-        self.stopped_by_us = False
         self.node_lost = False
         self.status_lost = False
         self.never_started = False  # the call was stopped before its agent started it
@@ -405,7 +404,7 @@ class RayRun:
         elif raised_at is not None and raised_at < teardown_at:
             r.state, reason = RankState.FAILED, "raised an exception"
         else:
-            r.state, reason, r.stopped_by_us = RankState.KILLED, "stopped by air_magic", True
+            r.state, reason = RankState.KILLED, "stopped by air_magic"
         self.bus.emit(RankExited(rank=r.rank, state=r.state, exit_code=r.exit_code, reason=reason))
 
     def _node_lost(self, node: int) -> None:
