@@ -162,6 +162,13 @@ def prints_in_order(lines):
     return lines
 
 
+def ends_a_line_then_returns():
+    os.write(1, b"half a line")
+    time.sleep(0.2)
+    os.write(1, b", then its end\n")
+    return "done"
+
+
 def writes_run_dir():
     return os.environ["AIR_MAGIC_RUN_DIR"], os.environ["AIR_MAGIC_LOG_DIR"]
 
@@ -274,6 +281,26 @@ def test_output_is_captured_in_order_per_rank_and_stream(backend):
             logged = f.read().splitlines()
         assert [line for line in logged if line.startswith("out")] == [f"out {i}" for i in range(300)]
         assert "from the fd, not sys.stdout" in logged
+
+
+class SlowOnFirstOutput(Recorder):
+    """Keeps the backend busy on a rank's first output: meanwhile the rank writes the rest and exits."""
+
+    def handle(self, event: object) -> None:
+        if isinstance(event, RankOutput) and not self.of(RankOutput):
+            time.sleep(1.5)
+        super().handle(event)
+
+
+def test_a_ranks_output_all_comes_before_its_exit(backend):
+    # A display ends a rank's unfinished line at its exit: output read after the exit
+    # would be shown as a line of its own.
+    recorder = SlowOnFirstOutput()
+    call(backend, ends_a_line_then_returns, recorder=recorder).unwrap()
+    for rank in (0, 1):
+        mine = [e for e in recorder.events if isinstance(e, RankOutput | RankExited) and e.rank == rank]
+        assert isinstance(mine[-1], RankExited) and sum(isinstance(e, RankExited) for e in mine) == 1
+        assert "".join(e.text for e in mine[:-1]) == "half a line, then its end\n"
 
 
 def test_folders_are_private_and_the_call_folder_is_gone(backend):

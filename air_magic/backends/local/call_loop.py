@@ -8,16 +8,16 @@ a stop ends the loop; every rank's tree is then stopped
 (:func:`air_magic.process_tree.stop_trees`), the pipes drained, and the outcome
 built (``launch/failures.py`` names the root cause).
 
-Where a rank is started: :meth:`CallLoop._start_ranks` and :meth:`CallLoop._spawn`.
+Where a rank is started: :meth:`CallLoop._start_ranks`, through ``ranks.spawn_rank``.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import select
 import selectors
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from air_magic.backends.local import warm
-from air_magic.backends.local.ranks import ForkedRank, FreshRank, RankSlot
+from air_magic.backends.local.ranks import RankPipes, RankSlot, spawn_rank
 from air_magic.backends.local.rendezvous import LOOPBACK
 from air_magic.backends.output import OutputRouter
 from air_magic.errors import DistributedTimeoutError, LaunchError, PayloadError
@@ -43,7 +43,6 @@ from air_magic.protocol.events import (
     RunStarted,
     Tick,
 )
-from air_magic.worker import entry
 
 # How long ranks get between SIGTERM and SIGKILL: long enough for Python to run its atexit
 # hooks and flush logs, short enough that a stuck rank does not hold the GPUs for long.
@@ -57,7 +56,6 @@ REPORTED_EXIT_S = 1.0  # how long a rank that reported its error may take to exi
 # caused by, and nothing a peer raises SIGKILLs a rank: a SIGKILL seen this soon after the
 # earliest exception came first.
 _SIGKILL_SEEN_LATE_S = 1.5
-_READ_SIZE = 1 << 16  # one pipe's default capacity: one read empties a full pipe
 
 
 @dataclass(frozen=True)
@@ -94,6 +92,7 @@ class CallLoop:
         self.ranks: list[RankSlot] = []
         self.router = OutputRouter(self.log_dir, self.world, bus)
         self.selector = selectors.DefaultSelector()
+        self.pipes = RankPipes(self.selector, self.router.feed)
         self.tracker = DescendantTracker()
         self.started = time.monotonic()
         self.deadline = None if request.timeout is None else self.started + request.timeout
@@ -148,7 +147,7 @@ class CallLoop:
             raise
         finally:
             self._stop(GRACE_S)  # no-op when every rank is already reaped
-            self._drain()
+            self.pipes.drain(_DRAIN_S)
             self.router.close()
             self.selector.close()
             os.close(lifeline_w)  # last: ranks die with the lifeline if anything above failed
@@ -194,26 +193,14 @@ class CallLoop:
             # Its exit reports wake the loop as soon as they come.
             self.selector.register(starter, selectors.EVENT_READ, ("starter", None))
         for rank, env in enumerate(envs):
-            out_r, out_w = os.pipe()
-            err_r, err_w = os.pipe()
             try:
-                proc = self._spawn(starter, rank, env, cwd, out_w, err_w, lifeline_r)
+                spawn = functools.partial(spawn_rank, starter, rank, env, cwd, self.run_dir, lifeline_r)
+                ranked = self.pipes.start(rank, spawn)
             except OSError as exc:
-                for fd in (out_r, err_r):
-                    os.close(fd)
                 raise LaunchError(f"could not start rank {rank} with {sys.executable}: {exc}") from exc
-            finally:
-                os.close(out_w)
-                os.close(err_w)
-            ranked = RankSlot(rank, proc)
             self.ranks.append(ranked)
-            for stream, fd in (("stdout", out_r), ("stderr", err_r)):
-                os.set_blocking(fd, False)
-                self.selector.register(fd, selectors.EVENT_READ, (ranked, stream))
-            if ranked.pidfd is not None:
-                self.selector.register(ranked.pidfd, selectors.EVENT_READ, (ranked, None))
             ranked.state = RankState.RUNNING
-            self.bus.emit(RankStarted(rank=rank, pid=proc.pid))
+            self.bus.emit(RankStarted(rank=rank, pid=ranked.proc.pid))
         return True
 
     def _ready_starter(self, env: dict[str, str]) -> warm.Starter | None:
@@ -238,34 +225,6 @@ class CallLoop:
 
     def _deadline_passed(self) -> bool:
         return self.deadline is not None and time.monotonic() >= self.deadline
-
-    def _spawn(
-        self,
-        starter: warm.Starter | None,
-        rank: int,
-        env: dict[str, str],
-        cwd: str,
-        out_w: int,
-        err_w: int,
-        lifeline_r: int,
-    ) -> FreshRank | ForkedRank:
-        if starter is not None:
-            try:
-                pid = starter.spawn(env, cwd, self.run_dir, [out_w, err_w, lifeline_r])
-                return ForkedRank(pid, starter, self.run_dir, rank)
-            except OSError:
-                pass  # the starter broke: this rank starts cold, and the next call gets a new starter
-        proc = subprocess.Popen(
-            [sys.executable, "-c", entry.BOOTSTRAP, self.run_dir],
-            cwd=cwd,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=out_w,
-            stderr=err_w,
-            pass_fds=(lifeline_r,),
-            start_new_session=True,  # its own process group: teardown reaches its children
-        )
-        return FreshRank(proc)
 
     # -- the one loop ------------------------------------------------------------------
 
@@ -305,7 +264,7 @@ class CallLoop:
             for key, _ in self.selector.select(wait):
                 ranked, stream = key.data
                 if stream is not None:
-                    self._read(key.fd, ranked, stream)
+                    self.pipes.read(key.fd, ranked, stream)
                 elif ranked == "starter":
                     self._pump_starter(key.fileobj)
                 # A readable pidfd needs nothing here: the poll at the top reaps it.
@@ -366,23 +325,12 @@ class CallLoop:
         if not starter.alive():
             self.selector.unregister(starter)
 
-    def _read(self, fd: int, ranked: RankSlot, stream: str) -> bool:
-        try:
-            data = os.read(fd, _READ_SIZE)
-        except BlockingIOError:
-            return True
-        if not data:
-            self.selector.unregister(fd)
-            os.close(fd)
-            return False
-        self.router.feed(ranked.rank, stream, data)
-        return True
-
     def _exited(self, r: RankSlot, last_seen_alive: float) -> None:
         r.exit_code = r.proc.returncode
         r.exited_at = last_seen_alive
         if r.pidfd is not None:
             self.selector.unregister(r.pidfd)
+        self.pipes.drain_rank(r)  # all its output before its exit
         ok = r.exit_code == 0 and os.path.exists(wire.result_path(self.run_dir, r.rank))
         r.state = RankState.SUCCEEDED if ok else RankState.FAILED
         reason = _exit_reason(None if r.status_lost and not ok else r.exit_code, ok)
@@ -409,6 +357,7 @@ class CallLoop:
     def _stopped(self, r: RankSlot) -> None:
         """Record a rank that was still unreaped at teardown: stopped by us, unless it ended on its own."""
         r.exit_code = r.proc.returncode
+        self.pipes.drain_rank(r)
         returned = os.path.exists(wire.result_path(self.run_dir, r.rank))
         raised_at = self._error_time(r.rank)
         if raised_at is not None and (self.teardown_at is None or raised_at < self.teardown_at):
@@ -423,26 +372,6 @@ class CallLoop:
         else:
             r.state, reason = RankState.KILLED, "stopped by air_magic"
         self.bus.emit(RankExited(rank=r.rank, state=r.state, exit_code=r.exit_code, reason=reason))
-
-    def _drain(self) -> None:
-        """Read what is left in the pipes after the ranks are gone, for at most _DRAIN_S."""
-        for key in list(self.selector.get_map().values()):
-            if key.data[1] is None:  # pidfds and the starter's socket: nothing more to learn there
-                self.selector.unregister(key.fileobj)
-        end = time.monotonic() + _DRAIN_S
-        while self.selector.get_map() and time.monotonic() < end:
-            pipes = [k for k in self.selector.get_map().values() if k.data[1] is not None]
-            if not pipes:
-                break
-            for key, _ in self.selector.select(max(0.0, end - time.monotonic())):
-                ranked, stream = key.data
-                if stream is not None:
-                    while self._read(key.fd, ranked, stream):
-                        pass
-        for key in list(self.selector.get_map().values()):
-            self.selector.unregister(key.fileobj)
-            if key.data[1] is not None:
-                os.close(key.fd)  # a pipe's read end; pidfds and the starter's socket are closed elsewhere
 
     # -- outcomes ----------------------------------------------------------------------
 
@@ -462,7 +391,7 @@ class CallLoop:
             running = [r for r in self.ranks if r.exit_code is None]
             returned = {r.rank for r in running if os.path.exists(wire.result_path(self.run_dir, r.rank))}
             self._stop(GRACE_S)
-            self._drain()
+            self.pipes.drain(_DRAIN_S)
             lines = []
             for r in running:
                 tail = self.router.tails[r.rank].last(5)
@@ -491,7 +420,7 @@ class CallLoop:
             r.exited_at for r in self.ranks if r.state is RankState.FAILED and r.exited_at is not None
         )
         self._stop(GRACE_S)
-        self._drain()
+        self.pipes.drain(_DRAIN_S)
         failures = self._failures(first_failure_at)
         error = build_exception(
             failures,

@@ -1,23 +1,65 @@
-"""Handles on the local backend's rank processes: fresh children or forks of the warm starter.
+"""Rank processes on one machine: how one is started, the handle on it, and where its output is read.
 
-Both kinds answer the same questions (``pid``, ``poll()``, ``wait()``,
-``returncode``), which is all that watching and stopping need
-(``process_tree.RankProcess``). :class:`RankSlot` adds what the call's loop
-tracks per rank: its pidfd, its state, when it was last seen alive.
+Used by the local backend's loop and by the Ray backend's node agents alike.
+:func:`spawn_rank` starts a rank: a fork of the warm starter, or a fresh
+interpreter. Both kinds of handle answer the same questions (``pid``,
+``poll()``, ``wait()``, ``returncode``), which is all that watching and
+stopping need (``process_tree.RankProcess``). :class:`RankSlot` adds what a
+loop tracks per rank: its pidfd, its state, when it was last seen alive.
+:class:`RankPipes` reads every rank's stdout and stderr.
 """
 
 from __future__ import annotations
 
 import os
+import selectors
 import signal
 import subprocess
+import sys
 import time
+from collections.abc import Callable
 
 import psutil
 
 from air_magic.backends.local import warm
 from air_magic.protocol import wire
 from air_magic.protocol.events import RankState
+from air_magic.worker import entry
+
+_READ_SIZE = 1 << 16  # one pipe's default capacity: one read empties a full pipe
+# A dead rank's pipe holds at most one capacity; reads beyond that are a grandchild
+# still writing, which must not keep the exit from being reported.
+_DRAIN_READS = 4
+
+
+def spawn_rank(
+    starter: warm.Starter | None,
+    rank: int,
+    env: dict[str, str],
+    cwd: str,
+    run_dir: str,
+    lifeline_r: int,
+    out_w: int,
+    err_w: int,
+) -> FreshRank | ForkedRank:
+    """Start one rank: forked by the warm starter when there is one, else a fresh ``sys.executable``."""
+    if starter is not None:
+        try:
+            pid = starter.spawn(env, cwd, run_dir, [out_w, err_w, lifeline_r])
+            return ForkedRank(pid, starter, run_dir, rank)
+        except OSError:
+            pass  # the starter broke: this rank starts fresh, and the next call gets a new starter
+    proc = subprocess.Popen(
+        [sys.executable, "-c", entry.BOOTSTRAP, run_dir],
+        cwd=cwd,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=out_w,
+        stderr=err_w,
+        pass_fds=(lifeline_r,),
+        start_new_session=True,  # its own process group: teardown reaches its children
+    )
+    return FreshRank(proc)
 
 
 class FreshRank:
@@ -108,3 +150,77 @@ class RankSlot:
     def status_lost(self) -> bool:
         """Its exit status is unknown: the warm starter died before reporting it."""
         return isinstance(self.proc, ForkedRank) and self.proc.status_lost
+
+
+class RankPipes:
+    """Where rank output is read: every rank's stdout and stderr pipes, in the loop's selector.
+
+    Bytes go to ``sink(rank, stream, data)`` in the order the rank wrote them.
+    A loop empties a rank's pipes (:meth:`drain_rank`) before it reports that
+    rank's exit, so whoever sees the exit has seen all the rank's own output
+    (a display flushes an unfinished line at the exit: read late, one line
+    would be cut in two).
+    """
+
+    def __init__(self, selector: selectors.BaseSelector, sink: Callable[[int, str, bytes], None]):
+        self.selector = selector
+        self._sink = sink
+
+    def start(self, rank: int, spawn: Callable[[int, int], FreshRank | ForkedRank]) -> RankSlot:
+        """Make the rank's pipes, ``spawn(out_w, err_w)`` it, and watch its pipes and pidfd."""
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        try:
+            proc = spawn(out_w, err_w)
+        except BaseException:
+            os.close(out_r)
+            os.close(err_r)
+            raise
+        finally:
+            os.close(out_w)  # the rank holds the write ends now: EOF once it and its children are gone
+            os.close(err_w)
+        slot = RankSlot(rank, proc)
+        for stream, fd in (("stdout", out_r), ("stderr", err_r)):
+            os.set_blocking(fd, False)
+            self.selector.register(fd, selectors.EVENT_READ, (slot, stream))
+        if slot.pidfd is not None:
+            self.selector.register(slot.pidfd, selectors.EVENT_READ, (slot, None))
+        return slot
+
+    def read(self, fd: int, slot: RankSlot, stream: str) -> bool:
+        """One read of a readable pipe; True when it gave bytes (there may be more)."""
+        try:
+            data = os.read(fd, _READ_SIZE)
+        except BlockingIOError:
+            return False
+        if not data:  # EOF: the rank and everything it started closed this pipe
+            self.selector.unregister(fd)
+            os.close(fd)
+            return False
+        self._sink(slot.rank, stream, data)
+        return True
+
+    def drain_rank(self, slot: RankSlot) -> None:
+        """Everything already in this rank's pipes, without waiting for more."""
+        for key in list(self.selector.get_map().values()):
+            owner, stream = key.data
+            if owner is slot and stream is not None:
+                for _ in range(_DRAIN_READS):
+                    if not self.read(key.fd, slot, stream):
+                        break
+
+    def drain(self, limit_s: float) -> None:
+        """At the end of a call: read the pipes until EOF or ``limit_s`` (a grandchild may hold one
+        open), then close them and stop watching everything else (pidfds, the starter's socket)."""
+        for key in list(self.selector.get_map().values()):
+            if key.data[1] is None:
+                self.selector.unregister(key.fileobj)
+        end = time.monotonic() + limit_s
+        while self.selector.get_map() and time.monotonic() < end:
+            for key, _ in self.selector.select(max(0.0, end - time.monotonic())):
+                slot, stream = key.data
+                while self.read(key.fd, slot, stream) and time.monotonic() < end:
+                    pass
+        for key in list(self.selector.get_map().values()):
+            self.selector.unregister(key.fileobj)
+            os.close(key.fd)

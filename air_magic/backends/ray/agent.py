@@ -37,28 +37,26 @@ import select
 import selectors
 import shutil
 import signal
-import subprocess
 import sys
 import threading
 import time
 import traceback
 from dataclasses import asdict
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 from air_magic import paths, private_files
 from air_magic.backends.local import warm
-from air_magic.backends.local.ranks import ForkedRank, FreshRank, RankSlot
+from air_magic.backends.local.ranks import RankPipes, RankSlot, spawn_rank
 from air_magic.backends.local.rendezvous import RendezvousStore
 from air_magic.launch.accelerators import AcceleratorPlan, detect_gpus
 from air_magic.launch.rank_env import RankPlace, rank_environment
 from air_magic.process_tree import DescendantTracker, stop_trees
 from air_magic.protocol import env_names, wire
-from air_magic.worker import entry
 
 TICK_S = 0.1  # how often the watch thread looks at exit codes, error records and metric files
 CALLER_SILENT_S = 30.0  # a running call whose caller stopped polling this long is stopped
 WATCHDOG_S = 0.5  # how often the watchdog checks the raylet and the caller
-_READ_SIZE = 1 << 16
+_DRAIN_S = 2.0  # output still in the pipes after every rank exited (a grandchild may hold them)
 METRICS_FOLDER = "metrics"
 
 
@@ -253,6 +251,7 @@ class NodeCall:
         self.started = False  # every rank is started (or the start ended): the watchdog may act
         self.ranks: list[RankSlot] = []
         self.selector = selectors.DefaultSelector()
+        self.pipes = RankPipes(self.selector, self._output)
         self.tracker = DescendantTracker()
         self.lifeline_w: int | None = None
         self.finished = False
@@ -330,6 +329,8 @@ class NodeCall:
             for local_rank, rank in enumerate(spec["ranks"])
         ]
         starter = self._ready_starter(envs[0]) if spec["warm_start"] and envs else None
+        if starter is not None:  # its exit reports wake the watch thread as soon as they come
+            self.selector.register(starter, selectors.EVENT_READ, ("starter", None))
         started: list[tuple[int, int]] = []
         for rank, env in zip(spec["ranks"], envs, strict=True):
             with self._stop_lock:  # a stop either sees this rank, or comes before it is started
@@ -355,54 +356,11 @@ class NodeCall:
     def _start_rank(
         self, starter: warm.Starter | None, rank: int, env: dict[str, str], cwd: str, lifeline_r: int
     ) -> tuple[int, int]:
-        """One rank: its pipes, the process (forked or fresh), and its place in the selector."""
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
-        try:
-            proc = self._spawn(starter, rank, env, cwd, out_w, err_w, lifeline_r)
-        except OSError:
-            os.close(out_r)
-            os.close(err_r)
-            raise
-        finally:
-            os.close(out_w)
-            os.close(err_w)
-        slot = RankSlot(rank, proc)
+        """One rank, forked or fresh, watched by this call's selector."""
+        spawn = functools.partial(spawn_rank, starter, rank, env, cwd, self.run_dir, lifeline_r)
+        slot = self.pipes.start(rank, spawn)
         self.ranks.append(slot)
-        for stream, fd in (("stdout", out_r), ("stderr", err_r)):
-            os.set_blocking(fd, False)
-            self.selector.register(fd, selectors.EVENT_READ, (slot, stream))
-        if slot.pidfd is not None:
-            self.selector.register(slot.pidfd, selectors.EVENT_READ, (slot, None))
-        return rank, proc.pid
-
-    def _spawn(
-        self,
-        starter: warm.Starter | None,
-        rank: int,
-        env: dict[str, str],
-        cwd: str,
-        out_w: int,
-        err_w: int,
-        lifeline_r: int,
-    ) -> FreshRank | ForkedRank:
-        if starter is not None:
-            try:
-                pid = starter.spawn(env, cwd, self.run_dir, [out_w, err_w, lifeline_r])
-                return ForkedRank(pid, starter, self.run_dir, rank)
-            except OSError:
-                pass  # the starter broke: this rank starts fresh
-        proc = subprocess.Popen(
-            [sys.executable, "-c", entry.BOOTSTRAP, self.run_dir],
-            cwd=cwd,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=out_w,
-            stderr=err_w,
-            pass_fds=(lifeline_r,),
-            start_new_session=True,
-        )
-        return FreshRank(proc)
+        return rank, slot.proc.pid
 
     # -- watching ----------------------------------------------------------------------------
 
@@ -412,11 +370,13 @@ class NodeCall:
                 for key, _ in self.selector.select(TICK_S):
                     slot, stream = key.data
                     if stream is not None:
-                        self._read(key.fd, slot, stream)
+                        self.pipes.read(key.fd, slot, stream)
+                    elif slot == "starter":
+                        self._pump_starter(cast(warm.Starter, key.fileobj))
                     else:
                         self._dead(slot)
                 self._look()
-            self._drain()
+            self.pipes.drain(_DRAIN_S)
         except Exception:  # noqa: BLE001 - never leave ranks unwatched: stop them, report their exits
             traceback.print_exc()
             self.kill_now()
@@ -440,6 +400,15 @@ class NodeCall:
             self.selector.unregister(r.pidfd)
             os.close(r.pidfd)
             r.pidfd = None
+
+    def _output(self, rank: int, stream: str, data: bytes) -> None:
+        self.emit(("out", rank, stream, data))
+
+    def _pump_starter(self, starter: warm.Starter) -> None:
+        """Exit reports from the warm starter, as they come: a forked rank's exit waits for no tick."""
+        starter.poll(-1)
+        if not starter.alive():
+            self.selector.unregister(starter)
 
     def _look(self) -> None:
         """Exit codes, newly reported errors, new metric lines."""
@@ -472,38 +441,10 @@ class NodeCall:
             self.selector.unregister(r.pidfd)
             os.close(r.pidfd)
             r.pidfd = None
+        self.pipes.drain_rank(r)  # all its output before its exit
         result = wire.read_bytes(wire.result_path(self.run_dir, r.rank)) if r.exit_code == 0 else None
         error = wire.read_bytes(wire.error_path(self.run_dir, r.rank))
         self.emit(("exit", r.rank, r.exit_code, r.exited_at, result, error, r.status_lost, self.teardown_at))
-
-    def _read(self, fd: int, slot: RankSlot, stream: str) -> bool:
-        try:
-            data = os.read(fd, _READ_SIZE)
-        except BlockingIOError:
-            return True
-        if not data:
-            self.selector.unregister(fd)
-            os.close(fd)
-            return False
-        self.emit(("out", slot.rank, stream, data))
-        return True
-
-    def _drain(self, limit_s: float = 2.0) -> None:
-        """Output still in the pipes after every rank exited (a grandchild may hold them: bounded)."""
-        end = time.monotonic() + limit_s
-        while time.monotonic() < end:
-            pipes = [k for k in self.selector.get_map().values() if k.data[1] is not None]
-            if not pipes:
-                break
-            for key, _ in self.selector.select(max(0.0, end - time.monotonic())):
-                slot, stream = key.data
-                if stream is not None:
-                    while self._read(key.fd, slot, stream):
-                        pass
-        for key in list(self.selector.get_map().values()):
-            self.selector.unregister(key.fileobj)
-            if key.data[1] is not None:
-                os.close(key.fd)
 
     def _ship_metrics(self) -> None:
         """New bytes of each rank's metric file, to be appended to the caller's copy."""
