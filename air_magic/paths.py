@@ -29,6 +29,15 @@ def state_dir(*parts: str) -> str:
     return os.path.join(state, APP, *parts)
 
 
+def cache_dir(*parts: str) -> str:
+    """``$XDG_CACHE_HOME/air_magic/...`` (``~/.cache/air_magic/...``): what may be deleted at any time."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, APP, *parts)
+
+
+DATA_CACHE = "data"  # cache_dir(DATA_CACHE): remote files that air_magic.data downloaded
+
+
 def default_log_root() -> str:
     """Where each call's log folder is made unless ``log_dir=`` says otherwise."""
     return os.environ.get(env_names.LOG_ROOT) or state_dir("runs")

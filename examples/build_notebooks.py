@@ -16,7 +16,7 @@ import textwrap
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SCRIPTS = ["seed_mlp.py", "ddp_progress.py", "fsdp2_transformer.py", "deepspeed_zero.py"]
+SCRIPTS = ["seed_mlp.py", "ddp_progress.py", "fsdp2_transformer.py", "deepspeed_zero.py", "data_resume.py"]
 GUARD = 'if __name__ == "__main__":'
 
 

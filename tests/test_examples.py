@@ -61,3 +61,12 @@ def test_fsdp2_example_learns_on_two_cpu_ranks(examples_path):
     losses = results[0]["losses"]
     assert results[0]["losses"] == results[1]["losses"]  # all-reduced means, the same on both ranks
     assert losses[-1] < losses[0] - 0.5
+
+
+@pytest.mark.slow
+def test_data_resume_example_resumes_a_killed_call_with_the_same_batches_and_weights(examples_path, tmp_path):
+    pytest.importorskip("torchdata")
+    import data_resume
+
+    fn = data_resume.train.with_overrides(display="none", tracking=False)
+    assert data_resume.crash_and_resume(str(tmp_path), fn) == 5  # the checkpoint of step 4, then on

@@ -29,6 +29,7 @@ LAYER_OF = {
     "air_magic.user_warnings": "base",
     "air_magic.protocol": "protocol",
     "air_magic.worker": "worker",
+    "air_magic.data": "data",
     "air_magic.launch": "launch",
     "air_magic.backends": "backends",
     "air_magic.display": "display",
@@ -45,6 +46,7 @@ MAY_IMPORT = {
     "protocol": set(),
     "base": {"protocol"},
     "worker": {"protocol", "air_magic.errors"},  # the rank side: nothing of the caller's
+    "data": {"worker", "protocol", "base"},  # rank-side library: nothing of the caller's
     "launch": {"protocol", "base"},
     "backends": {"launch", "worker", "protocol", "base"},
     "display": {"launch", "protocol", "base"},  # consumers never drive processes

@@ -66,6 +66,28 @@ class _MetricFile:
             data = data[os.write(fd, data) :]
 
 
+_own_file: _MetricFile | None = None
+
+
+def append(metrics: dict[str, float], step: int) -> bool:
+    """Metrics of air_magic's own (the data loader's timings) for the call's run, without MLflow.
+
+    The same lines the wrapped ``log_metrics`` writes, so the caller's writer batches
+    them; a rank that never imports mlflow pays nothing for it. False (nothing
+    written) when the call is not tracked.
+    """
+    global _own_file
+    if not enabled():
+        return False
+    if _own_file is None:
+        metrics_dir = os.environ[env_names.METRICS_DIR]
+        _own_file = _MetricFile(wire.metrics_path(metrics_dir, os.environ.get("RANK", "0")))
+    timestamp = int(time.time() * 1000)
+    lines = (f"{key}\t{float(value)!r}\t{timestamp}\t{step}\n" for key, value in metrics.items())
+    _own_file.append("".join(lines))
+    return True
+
+
 def _batching_supported() -> bool:
     """This MLflow has the private pieces batched logging uses, called as we call them (else: said once)."""
     import inspect  # here, not above: a rank that never imports mlflow must not pay for it

@@ -1,0 +1,140 @@
+"""``DataLoader``: torchdata's ``StatefulDataLoader`` with a per-rank worker default and timing metrics.
+
+The loading itself is torchdata's (workers, prefetch, pinning, and a
+``state_dict()`` that counts delivered batches, taken with each batch from
+the workers). What this adds:
+
+- ``num_workers`` defaults to this rank's part of the machine's cores
+  (cores / ranks on this machine, at most :data:`MAX_DEFAULT_WORKERS`);
+- ``multiprocessing_context`` ``"fork"``, ``"forkserver"`` and ``"spawn"`` all
+  work in warm-started ranks as in fresh ones (tested);
+- the seed's timing metrics, per rank, to the call's tracked run: the mean
+  time ``next()`` waited for a batch (``dataloader/fetch_seconds/rank_N``) and
+  the mean time the training code spent between two ``next()`` calls
+  (``dataloader/between_next_seconds/rank_N``), at most every
+  ``metrics_every_s`` and at the end of each epoch, through the batched
+  metric file (``worker/metrics.append``): no MLflow call per batch, no
+  MLflow import at all.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+from air_magic.data.extra import require
+from air_magic.worker import metrics
+
+MAX_DEFAULT_WORKERS = 8  # beyond this, more worker processes mostly cost memory
+METRICS_EVERY_S = 10.0
+# torchdata ships every worker's state with every batch by default (about 25 % of the loop on
+# small files, measured: docs/benchmarks.md). Every 32 batches instead, state_dict() stays exact:
+# a restore replays the few batches since the last snapshot (reads them again, delivers none).
+SNAPSHOT_EVERY_N_STEPS = 32
+
+_stateful = require("torchdata.stateful_dataloader")
+
+
+def default_num_workers() -> int:
+    """This rank's share of the cores it may run on: cores / ranks on this machine (0: load in the rank)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return min(MAX_DEFAULT_WORKERS, cores // local_ranks)
+
+
+class DataLoader(_stateful.StatefulDataLoader):  # type: ignore[name-defined]
+    """``torchdata.stateful_dataloader.StatefulDataLoader``; ``num_workers=None`` picks this rank's share."""
+
+    def __init__(
+        self,
+        dataset: Any,
+        *args: Any,
+        num_workers: int | None = None,
+        metrics_every_s: float = METRICS_EVERY_S,
+        snapshot_every_n_steps: int = SNAPSHOT_EVERY_N_STEPS,
+        **kwargs: Any,
+    ):
+        if num_workers is None:
+            num_workers = default_num_workers()
+        kwargs["snapshot_every_n_steps"] = snapshot_every_n_steps
+        with warnings.catch_warnings():  # torchdata calls an API torch deprecated: not the user's concern
+            warnings.filterwarnings("ignore", message=".*set_vital.*", category=UserWarning)
+            super().__init__(dataset, *args, num_workers=num_workers, **kwargs)
+        self.metrics_every_s = metrics_every_s
+        self._timer = _Timer(int(os.environ.get("RANK", "0")), metrics_every_s)
+
+    def __iter__(self) -> Iterator[Any]:
+        return _Timed(super().__iter__(), self._timer)
+
+
+class _Timer:
+    """Waits in ``next()`` and gaps between ``next()`` calls, summed and written out now and then."""
+
+    def __init__(self, rank: int, every_s: float):
+        self.keys = (f"dataloader/fetch_seconds/rank_{rank}", f"dataloader/between_next_seconds/rank_{rank}")
+        self.every_s = every_s
+        self.batches = 0  # delivered, all epochs: the metrics' step
+        self._fetch = self._between = 0.0
+        self._fetches = self._betweens = 0
+        self._last_write = time.monotonic()
+
+    def fetched(self, seconds: float) -> None:
+        self.batches += 1
+        self._fetch += seconds
+        self._fetches += 1
+        if time.monotonic() - self._last_write >= self.every_s:
+            self.write()
+
+    def between(self, seconds: float) -> None:
+        self._between += seconds
+        self._betweens += 1
+
+    def write(self) -> None:
+        values = {}
+        if self._fetches:
+            values[self.keys[0]] = self._fetch / self._fetches
+        if self._betweens:
+            values[self.keys[1]] = self._between / self._betweens
+        self._fetch = self._between = 0.0
+        self._fetches = self._betweens = 0
+        self._last_write = time.monotonic()
+        if values:
+            metrics.append(values, self.batches)
+
+
+class _Timed:
+    """The loader's iterator, timed; everything else (``state_dict``, ``__len__``...) is the loader's own."""
+
+    def __init__(self, inner: Iterator[Any], timer: _Timer):
+        self._inner = inner
+        self._timer = timer
+        self._returned_at: float | None = None
+
+    def __iter__(self) -> _Timed:
+        return self
+
+    def __next__(self) -> Any:
+        asked = time.perf_counter()
+        if self._returned_at is not None:
+            self._timer.between(asked - self._returned_at)
+        try:
+            batch = next(self._inner)
+        except StopIteration:
+            self._returned_at = None
+            self._timer.write()  # an epoch's end: what is left of the window
+            raise
+        self._returned_at = time.perf_counter()
+        self._timer.fetched(self._returned_at - asked)
+        return batch
+
+    def __len__(self) -> int:
+        return len(self._inner)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
