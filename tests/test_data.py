@@ -15,6 +15,7 @@ import math
 import os
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -253,8 +254,56 @@ def test_a_new_call_resumes_mid_epoch_with_exactly_the_remaining_batches(files, 
     whole = run(resumes, str(files), state_file, 2)
     rest = run(resumed, str(files), state_file)
     for rank in (0, 1):
-        assert len(whole[rank]) == 4  # 6 files per rank: 3 per worker, each in batches of 2 and 1
+        assert len(whole[rank]) == 3  # 6 files per rank: 3 batches of 2, whatever the workers
         assert rest[rank] == whole[rank][2:]
+
+
+def _batches(loader):
+    return [[os.path.basename(p) for p in batch] for batch in loader]
+
+
+def test_a_rank_delivers_the_same_batches_whatever_its_number_of_workers(files):
+    # Ranks on machines with other core counts pick other num_workers defaults: DDP needs the
+    # same number of batches on every rank all the same.
+    from air_magic.data import DataLoader, VolumeDataset
+
+    got = {}
+    for workers in (0, 1, 3):
+        dataset = VolumeDataset(str(files), pattern="*.bin", drop_last=False)
+        got[workers] = _batches(DataLoader(dataset, batch_size=4, num_workers=workers))
+    assert [len(b) for b in got[0]] == [4, 4, 3]
+    assert got[0] == got[1] == got[3]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_state_saved_at_an_epochs_end_then_set_epoch_gives_the_whole_next_epoch(files, workers):
+    from air_magic.data import DataLoader, VolumeDataset
+
+    def loader():
+        dataset = VolumeDataset(str(files), pattern="*.bin")
+        return dataset, DataLoader(dataset, batch_size=2, num_workers=workers)
+
+    dataset, first = loader()
+    dataset.set_epoch(0)
+    it = iter(first)
+    for _ in range(len(dataset) // 2 + len(dataset) % 2):  # every batch, StopIteration not yet seen
+        next(it)
+    state = first.state_dict()
+    assert list(it) == []  # (and its workers gone)
+    reference_set, reference = loader()
+    reference_set.set_epoch(1)
+    expected = _batches(reference)
+    dataset, resumed = loader()
+    resumed.load_state_dict(state)
+    dataset.set_epoch(1)  # the documented loop: the next epoch, then iterate
+    assert _batches(resumed) == expected and len(expected) > 0
+
+
+def test_persistent_workers_are_refused_with_the_reason(files):
+    from air_magic.data import DataLoader, VolumeDataset
+
+    with pytest.raises(ValueError, match="set_epoch"):
+        DataLoader(VolumeDataset(str(files)), num_workers=1, persistent_workers=True)
 
 
 def test_a_state_from_another_shape_is_refused_by_name(files, monkeypatch):
@@ -316,6 +365,36 @@ def test_the_cache_serves_a_second_reader_without_downloading_again(files, http_
     stamps = {p: os.stat(p).st_ino for p in first}
     second = list(VolumeDataset(http_store, pattern="*.bin", cache_dir=str(cache), shuffle=False))
     assert second == first and {p: os.stat(p).st_ino for p in second} == stamps
+
+
+def test_a_file_used_just_now_is_not_evicted_and_a_dead_download_is_cleared(tmp_path):
+    import fsspec
+
+    from air_magic.data import cache as cache_module
+    from air_magic.data.cache import FileCache
+    from air_magic.data.listing import RemoteFile
+
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("a", "b"):
+        (source / name).write_bytes(name.encode() * 100)
+    fs = fsspec.filesystem("file")  # a local folder standing for a remote store (never cached otherwise)
+    a, b = (RemoteFile(str(source / name), name, 100, "v1") for name in ("a", "b"))
+    cache = FileCache(str(tmp_path / "cache"), max_bytes=150)  # room for one file
+    first = cache.fetch(fs, a)
+    # A download left by a process that died: its part file's lock is free, so it is cleared.
+    stale = tmp_path / "cache" / f".part-dead-100-{cache.entry_name(fs, b)}"
+    stale.write_bytes(b"half")
+    done = threading.Event()
+    fetched = []
+    thread = threading.Thread(target=lambda: (fetched.append(cache.fetch(fs, b)), done.set()))
+    thread.start()
+    assert not done.wait(cache_module.RECENT_S / 2)  # "a" was used just now: b waits for room
+    assert os.path.exists(first)
+    thread.join(timeout=30)
+    assert done.is_set() and not os.path.exists(first)  # then the older one made room
+    assert Path(fetched[0]).read_bytes() == b"b" * 100
+    assert not stale.exists()
 
 
 # -- distributed checkpoints --------------------------------------------------------------

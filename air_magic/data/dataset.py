@@ -31,6 +31,7 @@ from air_magic.data.cache import FileCache
 from air_magic.data.listing import FileList, list_files
 
 _STATE_VERSION = 1
+STATE_KIND = "air_magic.data.VolumeDataset"  # found by the loader inside its own nested state
 
 
 class VolumeDataset(torch.utils.data.IterableDataset[str]):
@@ -72,6 +73,9 @@ class VolumeDataset(torch.utils.data.IterableDataset[str]):
         self._resumed = False
         self._shape: dict[str, int] = {}
         self._shape_pid = 0
+        # Set by air_magic.data.DataLoader: workers take whole batches, so a rank's number of
+        # batches does not depend on its number of workers.
+        self.batch_size = 1
 
     # -- what a user asks --------------------------------------------------------------
 
@@ -93,12 +97,16 @@ class VolumeDataset(torch.utils.data.IterableDataset[str]):
         ]
 
     def __iter__(self) -> Iterator[str]:
+        # Not a generator itself: the position is settled now, not at the first next().
         indexes = self._my_indexes(self.epoch)
         start = self._next if self._resumed else 0
         self._resumed = False
         self._next = start
+        return self._paths(indexes[start:])
+
+    def _paths(self, indexes: list[int]) -> Iterator[str]:
         files, cache = self.listing.files, self.cache
-        for i in indexes[start:]:
+        for i in indexes:
             path = files[i].path if cache is None else cache.fetch(self.listing.fs, files[i])
             self._next += 1
             yield path
@@ -106,22 +114,30 @@ class VolumeDataset(torch.utils.data.IterableDataset[str]):
     # -- resuming ----------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        # Asked for with every batch by torchdata's loader (in each worker): keep it cheap.
+        # Asked for with every snapshot by torchdata's loader (in each worker): keep it cheap.
         shape = self._shape if self._shape_pid == os.getpid() else self._current_shape()
-        return {"version": _STATE_VERSION, "epoch": self.epoch, "next": self._next, **shape}
+        return {
+            "kind": STATE_KIND,
+            "version": _STATE_VERSION,
+            "epoch": self.epoch,
+            "next": self._next,
+            **shape,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume where ``state`` was taken: the next iteration hands out exactly the remaining files."""
         now = self._current_shape()
-        shape = tuple(now.values())
-        saved = tuple(state[key] for key in now)
-        if saved != shape:
+        saved = {key: state.get(key) for key in now}
+        if saved != now:
             raise ValueError(
                 "air_magic.data: this dataset state was saved with "
-                f"{saved[0]} files, {saved[1]} ranks, {saved[2]} worker(s) per rank, seed {saved[3]}; "
-                f"now there are {shape[0]} files, {shape[1]} ranks, {shape[2]} worker(s), seed {shape[3]}. "
+                f"{_shape_words(saved)}; now there are {_shape_words(now)}. "
                 "A mid-epoch resume needs the same shape (set_epoch(next epoch) starts afresh)"
             )
+        if int(state["epoch"]) < self.epoch:
+            # set_epoch() chose a later epoch (torchdata loads the state when the iteration
+            # starts, after the user's set_epoch): the saved epoch is over, start this one.
+            return
         self.epoch = int(state["epoch"])
         self._next = int(state["next"])
         self._resumed = True
@@ -132,7 +148,13 @@ class VolumeDataset(torch.utils.data.IterableDataset[str]):
         """What a saved position is only valid for: files, ranks, workers per rank, seed."""
         _, world = _rank_and_world()
         _, workers = _worker()
-        return {"files": len(self.listing.files), "world": world, "workers": workers, "seed": self.seed}
+        return {
+            "files": len(self.listing.files),
+            "world": world,
+            "workers": workers,
+            "batch_size": self.batch_size,
+            "seed": self.seed,
+        }
 
     def _my_indexes(self, epoch: int) -> list[int]:
         # The iteration's shape, for state_dict(); a worker's copy came from its rank (another pid).
@@ -141,10 +163,17 @@ class VolumeDataset(torch.utils.data.IterableDataset[str]):
         worker, workers = _worker()
         order = sharding.epoch_order(len(self.listing.files), self.seed, epoch, self.shuffle)
         share = sharding.rank_share(order, rank, world, self.drop_last)
-        return sharding.worker_share(share, worker, workers)
+        return sharding.worker_share(share, worker, workers, self.batch_size)
 
 
 UCVolumeDataset = VolumeDataset  # the seed's name: a /Volumes/... path is a local directory
+
+
+def _shape_words(shape: dict[str, Any]) -> str:
+    return (
+        f"{shape['files']} files, {shape['world']} ranks, {shape['workers']} worker(s) per rank, "
+        f"batches of {shape['batch_size']}, seed {shape['seed']}"
+    )
 
 
 def _rank_and_world() -> tuple[int, int]:

@@ -14,4 +14,6 @@ def require(module: str) -> ModuleType:
         return importlib.import_module(module)
     except ImportError as exc:
         top = module.split(".")[0]
+        if exc.name is not None and exc.name.split(".")[0] != top:
+            raise  # the package is there; something it imports is broken: its own error says what
         raise ImportError(f"air_magic.data needs {top} (the [data] extra): {INSTALL}") from exc

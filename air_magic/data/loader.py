@@ -1,11 +1,14 @@
 """``DataLoader``: torchdata's ``StatefulDataLoader`` with a per-rank worker default and timing metrics.
 
 The loading itself is torchdata's (workers, prefetch, pinning, and a
-``state_dict()`` that counts delivered batches, taken with each batch from
-the workers). What this adds:
+``state_dict()`` that counts delivered batches). What this adds:
 
 - ``num_workers`` defaults to this rank's part of the machine's cores
-  (cores / ranks on this machine, at most :data:`MAX_DEFAULT_WORKERS`);
+  (cores / ranks on this machine, at most :data:`MAX_DEFAULT_WORKERS`); with a
+  :class:`VolumeDataset`, workers take whole batches, so every rank delivers
+  the same number of batches whatever its number of workers;
+- worker states travel to the loader every :data:`SNAPSHOT_EVERY_N_STEPS`
+  batches, not every batch (exact all the same: see below);
 - ``multiprocessing_context`` ``"fork"``, ``"forkserver"`` and ``"spawn"`` all
   work in warm-started ranks as in fresh ones (tested);
 - the seed's timing metrics, per rank, to the call's tracked run: the mean
@@ -25,14 +28,16 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+from air_magic.data.dataset import STATE_KIND, VolumeDataset
 from air_magic.data.extra import require
 from air_magic.worker import metrics
 
 MAX_DEFAULT_WORKERS = 8  # beyond this, more worker processes mostly cost memory
 METRICS_EVERY_S = 10.0
-# torchdata ships every worker's state with every batch by default (about 25 % of the loop on
-# small files, measured: docs/benchmarks.md). Every 32 batches instead, state_dict() stays exact:
-# a restore replays the few batches since the last snapshot (reads them again, delivers none).
+# torchdata ships every worker's state with every batch by default (26 % of the loop on small
+# files with 2 workers, measured: docs/benchmarks.md). Every 32 batches instead, state_dict()
+# stays exact: a restore replays the batches since the last snapshot (up to 31: their files are
+# read again, remote ones fetched again if evicted, and none is delivered).
 SNAPSHOT_EVERY_N_STEPS = 32
 
 _stateful = require("torchdata.stateful_dataloader")
@@ -63,6 +68,16 @@ class DataLoader(_stateful.StatefulDataLoader):  # type: ignore[name-defined]
         if num_workers is None:
             num_workers = default_num_workers()
         kwargs["snapshot_every_n_steps"] = snapshot_every_n_steps
+        if isinstance(dataset, VolumeDataset):
+            if kwargs.get("persistent_workers") and num_workers > 0:
+                raise ValueError(
+                    "air_magic.data: persistent_workers=True keeps each worker's copy of the "
+                    "VolumeDataset, so set_epoch() would never reach it (every epoch the same order); "
+                    "leave it False"
+                )
+            batch_size = kwargs.get("batch_size", args[0] if args else 1)
+            # Workers take whole batches: the number of batches is the same whatever num_workers is.
+            dataset.batch_size = batch_size if isinstance(batch_size, int) and batch_size > 0 else 1
         with warnings.catch_warnings():  # torchdata calls an API torch deprecated: not the user's concern
             warnings.filterwarnings("ignore", message=".*set_vital.*", category=UserWarning)
             super().__init__(dataset, *args, num_workers=num_workers, **kwargs)
@@ -70,7 +85,29 @@ class DataLoader(_stateful.StatefulDataLoader):  # type: ignore[name-defined]
         self._timer = _Timer(int(os.environ.get("RANK", "0")), metrics_every_s)
 
     def __iter__(self) -> Iterator[Any]:
+        pending = getattr(self, "next_iter_state", None)  # a loaded state, for the next iteration
+        if pending is not None and isinstance(self.dataset, VolumeDataset):
+            saved = saved_epochs(pending)
+            if saved and max(saved) < self.dataset.epoch:
+                # set_epoch() chose a later epoch after the state was loaded: the saved epoch is
+                # over, this iteration is the new one (torchdata would finish the saved one first,
+                # an empty pass when the state was taken after its last batch).
+                self.next_iter_state = None
         return _Timed(super().__iter__(), self._timer)
+
+
+def saved_epochs(state: Any) -> list[int]:
+    """The epochs of the VolumeDataset states inside a loader state (one per worker)."""
+    found: list[int] = []
+    if isinstance(state, dict):
+        if state.get("kind") == STATE_KIND:
+            return [int(state["epoch"])]
+        for value in state.values():
+            found += saved_epochs(value)
+    elif isinstance(state, list | tuple):
+        for value in state:
+            found += saved_epochs(value)
+    return found
 
 
 class _Timer:

@@ -10,7 +10,10 @@ of files, so every rank runs the same number of steps. ``drop_last=True``
 leaves out the last ``n % world`` files of the epoch's order (other files each
 epoch, since the order changes); ``drop_last=False`` pads the order by
 repeating its first files, so every file is read at least once and a few twice.
-Within a rank, files go round-robin to its DataLoader workers.
+Within a rank, whole batches go round-robin to its DataLoader workers: a rank
+delivers ``ceil(files / batch_size)`` batches whatever its number of workers
+(ranks with different core counts pick different defaults), in the share's
+order (the loader takes one batch from each worker in turn).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ def rank_share(order: list[int], rank: int, world: int, drop_last: bool) -> list
     return padded[rank::world]
 
 
-def worker_share(share: list[int], worker: int, num_workers: int) -> list[int]:
-    """A DataLoader worker's part of its rank's share (round-robin)."""
-    return share[worker::num_workers]
+def worker_share(share: list[int], worker: int, num_workers: int, batch_size: int = 1) -> list[int]:
+    """A DataLoader worker's part of its rank's share: batches ``worker``, ``worker + num_workers``, ..."""
+    batches = [share[i : i + batch_size] for i in range(0, len(share), batch_size)]
+    return [index for batch in batches[worker::num_workers] for index in batch]

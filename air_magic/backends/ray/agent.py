@@ -376,7 +376,6 @@ class NodeCall:
                     else:
                         self._dead(slot)
                 self._look()
-            self.pipes.drain(_DRAIN_S)
         except Exception:  # noqa: BLE001 - never leave ranks unwatched: stop them, report their exits
             traceback.print_exc()
             self.kill_now()
@@ -388,6 +387,10 @@ class NodeCall:
                         pass
                     self._exited(r, -signal.SIGKILL)
         finally:
+            try:
+                self.pipes.drain(_DRAIN_S)  # the rest of the output; the pipes closed (the agent lives on)
+            except Exception:  # noqa: BLE001 - a broken selector: the exits and "done" must still go out
+                traceback.print_exc()
             self._ship_metrics()
             self.finished = True
             self.emit(("done",))
