@@ -22,6 +22,7 @@ from air_magic.protocol.events import (
 from air_magic.protocol.lines import LineSplitter, visible
 
 _cpu_mode_said = False
+_COLOURS = (36, 33, 35, 32, 34, 31, 96, 93, 95, 92, 94, 91)  # ANSI foreground codes, one per rank
 
 
 class TextDisplay:
@@ -32,8 +33,10 @@ class TextDisplay:
         prefix_width: int = 0,
         ranks: set[int] | None = None,
         record: RecordLink | None = None,
+        colour: bool = False,
     ):
         self._ranks = ranks  # None: every rank
+        self._colour = colour  # each rank's prefix in its own colour (a terminal; never when piped)
         self._record = record
         self._out = out
         self._err = err
@@ -93,6 +96,8 @@ class TextDisplay:
 
     def _write(self, rank: int, stream: str, lines: list[str]) -> None:
         prefix = f"[rank {rank:>{self._width}}] "
+        if self._colour:
+            prefix = f"\x1b[{_COLOURS[rank % len(_COLOURS)]}m{prefix}\x1b[0m"
         # One write per chunk, not per line: chatty ranks stay cheap.
         text = "".join(prefix + visible(line) + "\n" for line in lines)
         target = self._stream(stream)

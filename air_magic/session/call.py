@@ -19,7 +19,7 @@ from __future__ import annotations
 import atexit
 import inspect
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from air_magic.backends.base import Backend
@@ -55,8 +55,13 @@ def run_call(
     kind: str = "function",
     source: str | None = None,
     backend: Backend | None = None,
+    consumers: Sequence[Consumer] = (),
 ) -> RunResult:
-    """Plan, pack, track and run one call on ``backend`` (default: :func:`backend_for`)."""
+    """Plan, pack, track and run one call on ``backend`` (default: :func:`backend_for`).
+
+    ``consumers``: more consumers of the call's events, beside the display that
+    ``settings.display`` names (the command line's JSON lines, say).
+    """
     inside = os.environ.get(env_names.RUN_ID)
     if inside:
         raise ConfigurationError(
@@ -93,10 +98,10 @@ def run_call(
             env={**(tracked.env if tracked else {}), **settings.env},
             log_root=settings.log_dir,
         )
-        consumers: list[Consumer] = [RunHistory(record), *make_consumers(settings.display, record)]
+        wired: list[Consumer] = [RunHistory(record), *make_consumers(settings.display, record), *consumers]
         if tracked is not None:
-            consumers.append(tracked)
-        result = backend.run(request, EventBus(consumers))
+            wired.append(tracked)
+        result = backend.run(request, EventBus(wired))
         outcome = result.outcome
         return result
     except KeyboardInterrupt:

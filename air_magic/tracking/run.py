@@ -201,7 +201,7 @@ class CallFacts:
     """What the call's run records of the call (known before anything launches)."""
 
     name: str
-    kind: str  # 'function' or 'cell'
+    kind: str  # 'function' or 'cell'; from the command line also 'script' or 'module'
     source: str | None
     plan: AcceleratorPlan
     timeout: float | None
@@ -328,7 +328,7 @@ def _describe_call(tracked: TrackedRun, call: CallFacts) -> None:
         "accelerators": call.plan.detected,
         "accelerator_type": call.accelerator_type or "auto",
         "timeout_s": "none" if call.timeout is None else f"{call.timeout:g}",
-        "function" if call.kind == "function" else "cell": call.name,
+        {"function": "function", "cell": "cell"}.get(call.kind, "target"): call.name,
         "air_magic_version": __version__,
         "torch_version": _version("torch"),
         "python_version": platform.python_version(),

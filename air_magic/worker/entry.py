@@ -139,6 +139,9 @@ _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.
 
 
 def _is_ours(filename: str) -> bool:
+    # runpy: how `air-magic run script.py` runs the script (worker/targets.py), not the user's code
+    if filename == "<frozen runpy>" or os.path.basename(filename) == "runpy.py":
+        return True
     return os.path.abspath(filename).startswith(_PACKAGE_DIR)
 
 

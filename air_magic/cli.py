@@ -1,0 +1,310 @@
+"""The command line: ``air-magic run TARGET`` (and ``python -m air_magic run``), a third surface (SPEC §12).
+
+``air-magic run [options] TARGET [ARGS...]`` runs TARGET on every rank, as the
+decorator and the magic do, through the same session (session/call.py):
+
+- ``script.py``: run as ``__main__`` in every rank with ``sys.argv = [script,
+  *ARGS]``, so a script written for torchrun runs unchanged;
+- ``-m module``: ``python -m module ARGS`` in every rank;
+- ``module:function``: called on every rank with ARGS (strings); each rank's
+  return value is printed at the end, one line per rank;
+- ``notebook.ipynb``: its code cells in order in an IPython shell of this
+  process, as a kernel would run them: ``%%distributed`` cells on the ranks
+  (with the options of their own ``%%distributed`` line), the others here.
+
+The options are the settings schema's (launch/settings.py), as the magic's are,
+plus ``--json``. Output is ``[rank N]`` lines (a colour per rank on a terminal),
+or with ``--json`` one JSON object per event (display/json_lines.py). The exit
+status says how the call ended: 0; the root-cause rank's status (1 for an
+exception, 128+N for signal N); 124 on timeout; 130 on SIGINT and 143 on
+SIGTERM (both stop every rank first); 2 for a bad TARGET or option.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import inspect
+import os
+import signal
+import sys
+import traceback
+from types import FrameType
+from typing import Any
+
+from air_magic.display.json_lines import JsonLines
+from air_magic.display.text import TextDisplay
+from air_magic.errors import ConfigurationError, DistributedTimeoutError, RankFailedError, RemoteTraceback
+from air_magic.launch.settings import add_arguments, make_settings, settings_from_args
+from air_magic.protocol.events import Consumer
+from air_magic.session import history
+from air_magic.session.call import run_call
+from air_magic.worker import targets
+
+USAGE_ERROR = 2  # argparse's own status for a bad option
+TIMEOUT = 124  # as timeout(1)
+SIGNALLED = 128  # + the signal's number, as a shell reports it
+
+
+class UsageError(Exception):
+    """A bad TARGET or option: one line on stderr, exit status 2."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = _parser()
+    if not argv or argv[0] in ("-h", "--help"):
+        parser.print_help()
+        return 0 if argv else USAGE_ERROR
+    if argv[0] != "run":
+        parser.print_usage(sys.stderr)
+        print(f"air-magic: unknown command {argv[0]!r} (commands: run)", file=sys.stderr)
+        return USAGE_ERROR
+    try:
+        options, target = _split_run_arguments(argv[1:])
+        args = _run_parser().parse_args(options)
+        if target is None:
+            raise UsageError("run needs a TARGET: script.py, -m module, module:function or notebook.ipynb")
+        if target[0] == "notebook":
+            return _run_notebook(target[1], args)
+        call = _target(*target)
+        settings = make_settings(**settings_from_args(args), display="none")
+    except UsageError as exc:
+        print(f"air-magic run: {exc}", file=sys.stderr)
+        return USAGE_ERROR
+    except ConfigurationError as exc:
+        print(f"air-magic run: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return USAGE_ERROR
+    return _run(call, settings, args)
+
+
+# -- arguments ---------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="air-magic",
+        description="Run PyTorch training on every GPU of this machine (or a Ray cluster).",
+        epilog="air-magic run --help: the options of a run",
+    )
+    parser.add_argument("command", choices=["run"], help="run TARGET on every rank")
+    return parser
+
+
+def _run_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="air-magic run",
+        usage="air-magic run [options] (script.py | -m module | module:function) [ARGS...]",
+        description="Run TARGET on every rank, as @distributed does (options: the decorator's settings).",
+    )
+    add_arguments(parser)
+    parser.add_argument("--json", action="store_true", help="one JSON object per event on stdout")
+    parser.error = _usage_error  # type: ignore[method-assign]
+    return parser
+
+
+def _usage_error(message: str) -> Any:
+    raise UsageError(message)
+
+
+def _split_run_arguments(argv: list[str]) -> tuple[list[str], tuple[str, str, list[str]] | None]:
+    """Options, and the target: ``(kind, what, ARGS)``. Everything after the target is ARGS,
+    options included (they are the script's), as with ``python`` and torchrun."""
+    takes_value = _options_with_values()
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if token == "-m":
+            if i + 1 >= len(argv):
+                raise UsageError("-m needs a module name")
+            return argv[:i], ("module", argv[i + 1], argv[i + 2 :])
+        if token == "--":
+            rest = argv[i + 1 :]
+            return argv[:i], (_kind_of(rest[0]), rest[0], rest[1:]) if rest else None
+        if token.startswith("-"):
+            name = token.split("=", 1)[0]
+            i += 2 if name in takes_value and "=" not in token else 1
+            continue
+        return argv[:i], (_kind_of(token), token, argv[i + 1 :])
+    return argv, None
+
+
+def _options_with_values() -> set[str]:
+    parser = _run_parser()
+    return {flag for action in parser._actions if action.nargs != 0 for flag in action.option_strings}
+
+
+def _kind_of(target: str) -> str:
+    if target.endswith(".ipynb"):
+        return "notebook"
+    if target.endswith(".py") or os.path.isfile(target):
+        return "script"
+    if ":" in target:
+        return "function"
+    raise UsageError(f"TARGET {target!r} is not a file; give script.py, -m module, or module:function")
+
+
+def _target(kind: str, what: str, argv: list[str]) -> tuple[str, Any, inspect.BoundArguments, str]:
+    """The call's name, its function (air_magic.worker.targets) and bound arguments, its source kind."""
+    if kind == "script":
+        if not os.path.isfile(what):
+            raise UsageError(f"no such script: {what}")
+        fn: Any = targets.run_script
+        name, args = os.path.basename(what), (os.path.abspath(what), argv)
+    elif kind == "module":
+        _check_module(what)
+        fn, name, args = targets.run_module, what, (what, argv)
+    else:
+        module, _, function = what.partition(":")
+        if not module or not function:
+            raise UsageError(f"TARGET {what!r}: give module:function")
+        _check_module(module)
+        fn, name, args = targets.call_function, what, (what, argv)
+    return name, fn, inspect.signature(fn).bind(*args), kind
+
+
+def _check_module(module: str) -> None:
+    sys.path.insert(0, os.getcwd())  # as the ranks will see it
+    try:
+        found = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        found = None
+    finally:
+        sys.path.pop(0)
+    if found is None:
+        raise UsageError(f"no module named {module!r}")
+
+
+# -- running -----------------------------------------------------------------------------
+
+
+def _run(call: tuple[str, Any, inspect.BoundArguments, str], settings: Any, args: argparse.Namespace) -> int:
+    name, fn, bound, kind = call
+    source = _read(bound.args[0]) if kind == "script" else None  # the run keeps the script's text
+    consumers: list[Consumer] = []
+    json_out = JsonLines() if args.json else None
+    if json_out is not None:
+        consumers.append(json_out)
+    elif getattr(args, "display", "auto") != "none":
+        ranks = {0} if getattr(args, "display", None) == "rank0" else None
+        consumers.append(TextDisplay(ranks=ranks, colour=sys.stdout.isatty()))
+    stopped_by: list[int] = []
+    previous = signal.signal(signal.SIGTERM, _interrupt_on_sigterm(stopped_by))
+    values: list[Any] | None = None
+    error: BaseException | None = None
+    try:
+        values = run_call(name, fn, bound, settings, kind=kind, source=source, consumers=consumers).unwrap()
+        status = 0
+    except KeyboardInterrupt as exc:  # every rank was stopped before this came up
+        error = exc
+        status = SIGNALLED + (stopped_by[0] if stopped_by else signal.SIGINT)
+    except BaseException as exc:  # noqa: BLE001 - every way a call fails becomes an exit status
+        error = exc
+        status = exit_status(exc)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    _report(kind, values, error, status, json_out)
+    return status
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def _run_notebook(path: str, args: argparse.Namespace) -> int:
+    """The notebook's code cells in order, in an IPython shell here; the first failing cell ends it."""
+    import json
+
+    if not os.path.isfile(path):
+        raise UsageError(f"no such notebook: {path}")
+    if args.json or settings_from_args(args):
+        raise UsageError("a notebook's %%distributed lines carry its options: give none here")
+    try:
+        from IPython.core.interactiveshell import InteractiveShell
+    except ImportError:
+        raise UsageError("a notebook target needs IPython: pip install 'air_magic[notebook]'") from None
+    with open(path, encoding="utf-8") as f:
+        cells = [c for c in json.load(f).get("cells", []) if c.get("cell_type") == "code"]
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "air_magic")
+    stopped_by: list[int] = []
+    previous = signal.signal(signal.SIGTERM, _interrupt_on_sigterm(stopped_by))
+    try:
+        for number, cell in enumerate(cells, 1):
+            source = cell["source"] if isinstance(cell["source"], str) else "".join(cell["source"])
+            result = shell.run_cell(source, store_history=True)
+            error = result.error_before_exec or result.error_in_exec
+            if error is not None:
+                status = SIGNALLED + (stopped_by[0] if stopped_by else signal.SIGINT)
+                if not isinstance(error, KeyboardInterrupt):
+                    status = exit_status(error)
+                print(f"air-magic: cell {number} of {path} failed; exit status {status}", file=sys.stderr)
+                return status
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return 0
+
+
+def _interrupt_on_sigterm(stopped_by: list[int]) -> Any:
+    def handler(signum: int, frame: FrameType | None) -> None:
+        stopped_by.append(signum)
+        raise KeyboardInterrupt  # the call stops every rank, as on Ctrl-C
+
+    return handler
+
+
+def exit_status(exc: BaseException) -> int:
+    """The status a failed call gives the shell."""
+    if isinstance(exc, DistributedTimeoutError):
+        return TIMEOUT
+    if isinstance(exc, RankFailedError) and exc.exit_code is not None:
+        code = exc.exit_code
+        return SIGNALLED - code if code < 0 else (code or 1)
+    if isinstance(exc, targets.ScriptExit):  # the script's own sys.exit(N)
+        return exc.status & 0xFF or 1
+    if isinstance(exc, ConfigurationError):
+        return USAGE_ERROR
+    return 1
+
+
+def _report(
+    kind: str, values: list[Any] | None, error: BaseException | None, status: int, json_out: JsonLines | None
+) -> None:
+    info = history.last_run()
+    if json_out is not None:
+        json_out.emit(
+            "result",
+            exit_status=status,
+            values=values,
+            error=None if error is None else f"{type(error).__name__}: {error}",
+            mlflow_run_id=info.mlflow_run_id if info else None,
+            mlflow_url=info.tracking_url if info else None,
+        )
+    else:
+        if values is not None and kind == "function":
+            for rank, value in enumerate(values):
+                print(f"rank {rank}: {value!r}")
+        if error is not None and not isinstance(error, KeyboardInterrupt):
+            _print_error(error)
+    if info is not None and info.tracking:
+        print(f"air-magic: {info.tracking}", file=sys.stderr)
+    if error is not None:
+        print(f"air-magic: exit status {status}", file=sys.stderr)
+
+
+def _print_error(error: BaseException) -> None:
+    """The rank's own traceback (not this process's frames, which say nothing), then the error."""
+    cause = error.__cause__
+    if isinstance(cause, RemoteTraceback):
+        print(str(cause), file=sys.stderr)
+        print("".join(traceback.format_exception_only(error)).rstrip("\n"), file=sys.stderr)
+    else:
+        traceback.print_exception(error, file=sys.stderr)
+
+
+if __name__ == "__main__":  # pragma: no cover - python -m air_magic.cli
+    raise SystemExit(main())

@@ -1,0 +1,75 @@
+"""``air-magic run --json``: one JSON object per event on stdout, for programs that read a call.
+
+Objects (each on its own line, ``"event"`` first): ``run_started``, ``rank_started``,
+``line`` (one whole line a rank wrote, with its ``stream``), ``rank_exited``,
+``run_finished``; the command line adds ``result`` at the end (values or error,
+exit status, the MLflow run). Rank output is split into lines exactly as the
+text display splits it (protocol/lines.py); an unfinished line is sent when
+its rank exits.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, TextIO
+
+from air_magic.protocol.events import Event, RankExited, RankOutput, RankStarted, RunFinished, RunStarted
+from air_magic.protocol.lines import LineSplitter
+
+
+class JsonLines:
+    def __init__(self, out: TextIO | None = None):
+        self._out = out
+        self._splitters: dict[tuple[int, str], LineSplitter] = {}
+
+    def handle(self, event: Event) -> None:
+        if isinstance(event, RankOutput):
+            splitter = self._splitters.setdefault((event.rank, event.stream), LineSplitter())
+            for line in splitter.feed(event.text):
+                self.emit("line", rank=event.rank, stream=event.stream, text=line)
+        elif isinstance(event, RunStarted):
+            self.emit(
+                "run_started",
+                run_id=event.run_id,
+                name=event.name,
+                world_size=event.world_size,
+                backend=event.backend,
+                cpu_mode=event.cpu_mode,
+                log_dir=event.log_dir,
+            )
+        elif isinstance(event, RankStarted):
+            self.emit("rank_started", rank=event.rank, pid=event.pid)
+        elif isinstance(event, RankExited):
+            self._flush(event.rank)
+            self.emit(
+                "rank_exited",
+                rank=event.rank,
+                state=event.state.value,
+                exit_code=event.exit_code,
+                reason=event.reason,
+            )
+        elif isinstance(event, RunFinished):
+            for rank in sorted({rank for rank, _ in self._splitters}):
+                self._flush(rank)
+            self.emit(
+                "run_finished",
+                run_id=event.run_id,
+                outcome=event.outcome,
+                elapsed=round(event.elapsed, 3),
+                log_dir=event.log_dir,
+                error=event.error,
+                failed_rank=event.failed_rank,
+            )
+
+    def emit(self, kind: str, **fields: Any) -> None:
+        out = self._out or sys.stdout
+        out.write(json.dumps({"event": kind, **fields}, default=repr) + "\n")
+        out.flush()
+
+    def _flush(self, rank: int) -> None:
+        for stream in ("stdout", "stderr"):
+            splitter = self._splitters.get((rank, stream))
+            rest = splitter.flush() if splitter is not None else ""
+            if rest:
+                self.emit("line", rank=rank, stream=stream, text=rest)

@@ -1,0 +1,65 @@
+"""Inside a rank: what ``air-magic run TARGET`` runs there (a script, a module, or one function).
+
+The command line (``cli.py``) sends one of these functions as the call's
+function; they travel by reference (this module exists in every rank). A
+script or module runs as ``__main__`` with ``sys.argv`` as it would under
+``python`` or torchrun, so a script written for torchrun runs unchanged;
+``sys.exit(0)`` (or ``None``) at its end is a success, another code a failure
+with that status.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import runpy
+import sys
+from typing import Any
+
+
+def run_script(path: str, argv: list[str]) -> None:
+    """``python path argv...``: its folder first on ``sys.path``, run as ``__main__``."""
+    sys.argv = [path, *argv]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
+    _as_main(lambda: runpy.run_path(path, run_name="__main__"))
+
+
+def run_module(module: str, argv: list[str]) -> None:
+    """``python -m module argv...``."""
+    sys.argv = [module, *argv]  # runpy puts the module's file in argv[0], as python -m does
+    sys.path.insert(0, os.getcwd())
+    _as_main(lambda: runpy.run_module(module, run_name="__main__", alter_sys=True))
+
+
+def call_function(spec: str, argv: list[str]) -> Any:
+    """``module:function``, called with the arguments (strings); its return value comes back."""
+    module_name, _, qualname = spec.partition(":")
+    sys.path.insert(0, os.getcwd())
+    target: Any = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        target = getattr(target, part)
+    return target(*argv)
+
+
+class ScriptExit(Exception):
+    """The script called ``sys.exit(status)`` with a failure: the command line exits with ``status``."""
+
+    def __init__(self, status: int, message: str = ""):
+        super().__init__(status, message)
+        self.status = status
+        self.message = message
+
+    def __str__(self) -> str:
+        said = f": {self.message}" if self.message else ""
+        return f"the script exited with status {self.status}{said}"
+
+
+def _as_main(run: Any) -> None:
+    try:
+        run()
+    except SystemExit as exc:
+        if exc.code is None or exc.code == 0:
+            return  # the way a script says it succeeded
+        if isinstance(exc.code, int):
+            raise ScriptExit(exc.code) from None
+        raise ScriptExit(1, str(exc.code)) from None  # sys.exit("message"): Python prints it, status 1

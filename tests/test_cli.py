@@ -1,0 +1,288 @@
+"""``air-magic run`` as a user runs it: a subprocess, real ranks, its output and exit status (issue 17).
+
+Each test starts the command line as its own process (a fresh caller, so a
+cold start: the warm starter is that process's own), in a folder of small
+scripts. ``--json`` gives the ranks' pids, so the signal tests can check that
+no rank outlives the command.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import psutil
+import pytest
+
+DDP_SCRIPT = """
+import os, sys
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")  # torchrun's variables: nothing else is set up
+t = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(t)
+print(f"rank {dist.get_rank()} of {dist.get_world_size()} argv={sys.argv[1:]} sum={t.item():g}")
+dist.destroy_process_group()
+"""
+
+ENDINGS = """
+import os, sys, time
+rank = int(os.environ["RANK"])
+how = sys.argv[1]
+if how == "raise" and rank == 1:
+    raise ValueError("rank 1 cannot go on")
+if how == "kill" and rank == 1:
+    os.kill(os.getpid(), 9)
+if how == "exit3" and rank == 0:
+    sys.exit(3)
+if how == "exit0":
+    sys.exit(0)
+if how == "sleep":
+    print("sleeping", flush=True)
+    time.sleep(600)
+"""
+
+FUNCTIONS = """
+import os
+
+def whoami(*args):
+    return {"rank": int(os.environ["RANK"]), "args": list(args)}
+"""
+
+
+@pytest.fixture
+def project(tmp_path):
+    (tmp_path / "ddp.py").write_text(DDP_SCRIPT)
+    (tmp_path / "endings.py").write_text(ENDINGS)
+    (tmp_path / "helpers.py").write_text(FUNCTIONS)
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "job.py").write_text(
+        "import os, sys\nprint('module', os.environ['RANK'], sys.argv[1:])\n"
+    )
+    return tmp_path
+
+
+def command() -> list[str]:
+    script = os.path.join(os.path.dirname(sys.executable), "air-magic")
+    return [script] if os.path.exists(script) else [sys.executable, "-m", "air_magic"]
+
+
+def environment() -> dict[str, str]:
+    env = dict(os.environ)
+    env["TMPDIR"] = tempfile.gettempdir()  # the session's folder: its leftovers are checked
+    env.pop("AIR_MAGIC_RUN_ID", None)
+    return env
+
+
+def air_magic(project, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*command(), "run", "--no-tracking", *args],
+        cwd=project,
+        env=environment(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_a_torchrun_script_runs_unchanged_with_its_arguments(project):
+    done = air_magic(project, "ddp.py", "--lr", "0.1", "extra")
+    assert done.returncode == 0, done.stderr
+    for rank in (0, 1):
+        assert f"[rank {rank}] rank {rank} of 2 argv=['--lr', '0.1', 'extra'] sum=3" in done.stdout
+    assert "\x1b[" not in done.stdout  # piped: no colour
+
+
+def test_a_function_target_prints_every_ranks_return_value(project):
+    done = air_magic(project, "helpers:whoami", "a", "b")
+    assert done.returncode == 0, done.stderr
+    assert "rank 0: {'rank': 0, 'args': ['a', 'b']}" in done.stdout
+    assert "rank 1: {'rank': 1, 'args': ['a', 'b']}" in done.stdout
+
+
+def test_a_module_target_runs_as_python_dash_m(project):
+    done = air_magic(project, "-n", "3", "-m", "pkg.job", "--flag")
+    assert done.returncode == 0, done.stderr
+    for rank in range(3):
+        assert f"[rank {rank}] module {rank} ['--flag']" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("how", "status", "said"),
+    [
+        ("raise", 1, "ValueError: rank 1 cannot go on"),
+        ("kill", 128 + 9, "SIGKILL"),
+        ("exit3", 3, "exited with status 3"),
+        ("exit0", 0, ""),
+    ],
+)
+def test_the_exit_status_is_the_root_cause_ranks(project, how, status, said):
+    done = air_magic(project, "endings.py", how)
+    assert done.returncode == status, done.stderr
+    assert said in done.stderr
+    if how == "raise":  # the rank's own traceback, with the script's line
+        assert 'endings.py", line 6' in done.stderr and "cli.py" not in done.stderr
+
+
+def test_a_timeout_exits_124(project):
+    done = air_magic(project, "--timeout", "3", "endings.py", "sleep")
+    assert done.returncode == 124, done.stderr
+    assert "DistributedTimeoutError" in done.stderr
+
+
+def _started_ranks(proc: subprocess.Popen[str], count: int) -> list[int]:
+    pids = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        event = json.loads(line)
+        if event["event"] == "rank_started":
+            pids.append(event["pid"])
+        if event["event"] == "line" and event["text"] == "sleeping":
+            count -= 1
+            if count == 0:
+                return pids
+    raise AssertionError("the ranks did not start")
+
+
+@pytest.mark.parametrize(("sent", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_to_the_command_stops_every_rank(project, sent, status):
+    proc = subprocess.Popen(
+        [*command(), "run", "--no-tracking", "--json", "endings.py", "sleep"],
+        cwd=project,
+        env=environment(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        pids = _started_ranks(proc, 2)
+        proc.send_signal(sent)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == status
+    result = json.loads(out.splitlines()[-1])
+    assert result["event"] == "result" and result["exit_status"] == status
+    deadline = time.monotonic() + 10
+    while any(
+        psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in pids
+    ):
+        assert time.monotonic() < deadline, "a rank outlived the command"
+        time.sleep(0.05)
+
+
+def test_json_is_one_object_per_line_from_start_to_result(project):
+    done = air_magic(project, "--json", "ddp.py", "x")
+    assert done.returncode == 0, done.stderr
+    events = [json.loads(line) for line in done.stdout.splitlines()]
+    kinds = [e["event"] for e in events]
+    assert kinds[0] == "run_started" and kinds[-2:] == ["run_finished", "result"]
+    assert kinds.count("rank_started") == 2 and kinds.count("rank_exited") == 2
+    lines = sorted(e["text"] for e in events if e["event"] == "line")
+    assert lines == [f"rank {r} of 2 argv=['x'] sum=3" for r in (0, 1)]
+    assert events[-1]["exit_status"] == 0 and events[-1]["values"] == [None, None]
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["nothere.py"], "no such script: nothere.py"),
+        (["-m", "no_such_module"], "no module named 'no_such_module'"),
+        (["helpers"], "is not a file"),
+        (["-n", "zero", "ddp.py"], "-n/--num-accelerators"),
+        (["--timeout", "soon", "ddp.py"], "--timeout"),
+        ([], "needs a TARGET"),
+    ],
+)
+def test_a_bad_target_or_option_is_one_line_and_exit_status_2(project, args, said):
+    done = air_magic(project, *args, timeout=60)
+    assert done.returncode == 2
+    assert said in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def _notebook(path, *cells: str) -> None:
+    cell = {"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None}
+    book = {
+        "cells": [{**cell, "source": c} for c in cells],
+        "metadata": {},
+        "nbformat": 4,
+        "nbformat_minor": 5,
+    }
+    path.write_text(json.dumps(book))
+
+
+def test_a_notebook_runs_its_cells_in_order_distributed_ones_on_the_ranks(project):
+    pytest.importorskip("IPython")
+    _notebook(
+        project / "book.ipynb",
+        "greeting = 'from the caller'\nprint(greeting)",
+        "%%distributed -n 2 --no-tracking --display text\nimport os\nprint('on rank', os.environ['RANK'])",
+        "print('after the cell:', greeting)",
+    )
+    _notebook(
+        project / "broken.ipynb",
+        "%%distributed -n 2 --no-tracking --display text\nraise KeyError('missing')",
+        "print('never')",
+    )
+    done = subprocess.run(
+        [*command(), "run", "book.ipynb"],
+        cwd=project,
+        env=environment(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert out.index("from the caller") < out.index("[rank 0] on rank 0") < out.index("after the cell:")
+    assert "[rank 1] on rank 1" in out
+    broken = subprocess.run(
+        [*command(), "run", "broken.ipynb"],
+        cwd=project,
+        env=environment(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert broken.returncode == 1
+    assert "KeyError" in broken.stdout + broken.stderr and "never" not in broken.stdout
+    assert "cell 1 of broken.ipynb failed" in broken.stderr
+
+
+def test_python_dash_m_air_magic_is_the_same_command(project):
+    done = subprocess.run(
+        [sys.executable, "-m", "air_magic", "run", "--no-tracking", "helpers:whoami"],
+        cwd=project,
+        env=environment(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "rank 1: {'rank': 1, 'args': []}" in done.stdout
+
+
+def test_the_tracked_run_is_named_at_the_end(project, store):
+    done = subprocess.run(
+        [*command(), "run", "--experiment", "cli", "helpers:whoami"],
+        cwd=project,
+        env=environment(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("air-magic: MLflow run ") and "experiment" in last
+    (run,) = store.search_runs([store.get_experiment_by_name("cli").experiment_id])
+    assert run.info.status == "FINISHED" and run.data.params["function"] == "helpers:whoami"
+    assert run.data.tags["air_magic.kind"] == "function"
