@@ -16,8 +16,8 @@ The options are the settings schema's (launch/settings.py), as the magic's are,
 plus ``--json``. Output is ``[rank N]`` lines (a colour per rank on a terminal),
 or with ``--json`` one JSON object per event (display/json_lines.py). The exit
 status says how the call ended: 0; the root-cause rank's status (1 for an
-exception, 128+N for signal N); 124 on timeout; 130 on SIGINT and 143 on
-SIGTERM (both stop every rank first); 2 for a bad TARGET or option.
+exception, 128+N for signal N); 124 on timeout; 130 on SIGINT, 143 on
+SIGTERM and 129 on SIGHUP (each stops every rank first); 2 for a bad TARGET or option.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import traceback
 from types import FrameType
 from typing import Any
 
+from air_magic import paths
 from air_magic.display.json_lines import JsonLines
 from air_magic.display.text import TextDisplay
 from air_magic.errors import ConfigurationError, DistributedTimeoutError, RankFailedError, RemoteTraceback
@@ -56,9 +57,15 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0 if argv else USAGE_ERROR
+    if argv[0] in ("runs", "logs"):
+        try:
+            return _runs(argv[1:]) if argv[0] == "runs" else _logs(argv[1:])
+        except UsageError as exc:
+            print(f"air-magic {argv[0]}: {exc}", file=sys.stderr)
+            return USAGE_ERROR
     if argv[0] != "run":
         parser.print_usage(sys.stderr)
-        print(f"air-magic: unknown command {argv[0]!r} (commands: run)", file=sys.stderr)
+        print(f"air-magic: unknown command {argv[0]!r} (commands: run, runs, logs)", file=sys.stderr)
         return USAGE_ERROR
     try:
         options, target = _split_run_arguments(argv[1:])
@@ -87,7 +94,11 @@ def _parser() -> argparse.ArgumentParser:
         description="Run PyTorch training on every GPU of this machine (or a Ray cluster).",
         epilog="air-magic run --help: the options of a run",
     )
-    parser.add_argument("command", choices=["run"], help="run TARGET on every rank")
+    parser.add_argument(
+        "command",
+        choices=["run", "runs", "logs"],
+        help="run: TARGET on every rank; runs: the recent calls; logs RUN [RANK]: a call's logs",
+    )
     return parser
 
 
@@ -175,6 +186,58 @@ def _check_module(module: str) -> None:
         raise UsageError(f"no module named {module!r}")
 
 
+# -- runs and logs ----------------------------------------------------------------------
+
+
+def _small_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--log-dir", help="where the calls' log folders are (default: where calls put them)")
+    parser.error = _usage_error  # type: ignore[method-assign]
+    return parser
+
+
+def _runs(argv: list[str]) -> int:
+    parser = _small_parser(
+        "air-magic runs", "The recent calls, newest first: outcome, ranks, time, log folder."
+    )
+    parser.add_argument("-n", type=int, default=20, help="how many (default: 20)")
+    args = parser.parse_args(argv)
+    for summary in history.read_summaries(args.log_dir or paths.default_log_root())[: args.n]:
+        took = summary.get("elapsed")
+        took_text = "" if took is None else f"{took:.1f} s"
+        outcome, ranks = summary.get("outcome", "?"), summary.get("world_size", "?")
+        print(
+            f"{summary['run_id']}  {outcome:<11} {ranks!s:>3} rank(s) {took_text:>9}  "
+            f"{summary.get('name', '?')}  {summary.get('log_dir', '')}"
+        )
+    return 0
+
+
+def _logs(argv: list[str]) -> int:
+    parser = _small_parser(
+        "air-magic logs", "A call's log folder, or one rank's log (RUN: a run id, or 'last')."
+    )
+    parser.add_argument("run", metavar="RUN")
+    parser.add_argument("rank", metavar="RANK", nargs="?", type=int)
+    args = parser.parse_args(argv)
+    summaries = history.read_summaries(args.log_dir or paths.default_log_root())
+    found = summaries[:1] if args.run == "last" else [s for s in summaries if s["run_id"] == args.run]
+    if not found:
+        raise UsageError(f"no call {args.run!r} (air-magic runs lists them)")
+    log_dir = found[0]["log_dir"]
+    if args.rank is None:
+        print(log_dir)
+        for name in sorted(os.listdir(log_dir)):
+            print(f"  {name}  {os.path.getsize(os.path.join(log_dir, name))} bytes")
+        return 0
+    path = paths.rank_log(log_dir, args.rank)
+    if not os.path.exists(path):
+        raise UsageError(f"call {found[0]['run_id']} has no log of rank {args.rank}")
+    with open(path, errors="replace") as f:
+        sys.stdout.write(f.read())
+    return 0
+
+
 # -- running -----------------------------------------------------------------------------
 
 
@@ -189,7 +252,7 @@ def _run(call: tuple[str, Any, inspect.BoundArguments, str], settings: Any, args
         ranks = {0} if getattr(args, "display", None) == "rank0" else None
         consumers.append(TextDisplay(ranks=ranks, colour=sys.stdout.isatty()))
     stopped_by: list[int] = []
-    previous = signal.signal(signal.SIGTERM, _interrupt_on_sigterm(stopped_by))
+    previous = _stop_on_signals(stopped_by)
     values: list[Any] | None = None
     error: BaseException | None = None
     try:
@@ -202,7 +265,7 @@ def _run(call: tuple[str, Any, inspect.BoundArguments, str], settings: Any, args
         error = exc
         status = exit_status(exc)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        _restore(previous)
     _report(kind, values, error, status, json_out)
     return status
 
@@ -232,7 +295,7 @@ def _run_notebook(path: str, args: argparse.Namespace) -> int:
     shell = InteractiveShell.instance()
     shell.run_line_magic("load_ext", "air_magic")
     stopped_by: list[int] = []
-    previous = signal.signal(signal.SIGTERM, _interrupt_on_sigterm(stopped_by))
+    previous = _stop_on_signals(stopped_by)
     try:
         for number, cell in enumerate(cells, 1):
             source = cell["source"] if isinstance(cell["source"], str) else "".join(cell["source"])
@@ -245,16 +308,29 @@ def _run_notebook(path: str, args: argparse.Namespace) -> int:
                 print(f"air-magic: cell {number} of {path} failed; exit status {status}", file=sys.stderr)
                 return status
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        _restore(previous)
     return 0
 
 
-def _interrupt_on_sigterm(stopped_by: list[int]) -> Any:
+# SIGINT too, explicitly: a command started in the background by a script inherits SIGINT
+# ignored, and Python keeps it so; `kill -INT` must still stop every rank. SIGHUP: the terminal
+# went away.
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _stop_on_signals(stopped_by: list[int]) -> dict[int, Any]:
+    """Each stop signal raises KeyboardInterrupt (the call stops every rank); the old handlers."""
+
     def handler(signum: int, frame: FrameType | None) -> None:
         stopped_by.append(signum)
-        raise KeyboardInterrupt  # the call stops every rank, as on Ctrl-C
+        raise KeyboardInterrupt
 
-    return handler
+    return {signum: signal.signal(signum, handler) for signum in _STOP_SIGNALS}
+
+
+def _restore(previous: dict[int, Any]) -> None:
+    for signum, old in previous.items():
+        signal.signal(signum, old)
 
 
 def exit_status(exc: BaseException) -> int:

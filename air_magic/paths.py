@@ -52,6 +52,13 @@ def embedded_mlflow_uri() -> str:
     return "sqlite:///" + os.path.join(embedded_mlflow_dir(), MLFLOW_DB)
 
 
+RUN_SUMMARY = "run.json"  # in a call's log folder: what it was and how it ended (air-magic runs)
+
+
+def run_summary(log_dir: str) -> str:
+    return os.path.join(log_dir, RUN_SUMMARY)
+
+
 def rank_log(log_dir: str, rank: int) -> str:
     """A rank's log in the call's log folder: stdout and stderr, whole lines."""
     return os.path.join(log_dir, f"rank-{rank}.log")

@@ -151,7 +151,15 @@ def _started_ranks(proc: subprocess.Popen[str], count: int) -> list[int]:
     raise AssertionError("the ranks did not start")
 
 
-@pytest.mark.parametrize(("sent", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def _as_a_background_job() -> None:
+    # A script's `command &` starts with SIGINT ignored, and Python keeps it so: the command
+    # must stop its ranks on SIGINT all the same.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@pytest.mark.parametrize(
+    ("sent", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)]
+)
 def test_a_signal_to_the_command_stops_every_rank(project, sent, status):
     proc = subprocess.Popen(
         [*command(), "run", "--no-tracking", "--json", "endings.py", "sleep"],
@@ -160,6 +168,7 @@ def test_a_signal_to_the_command_stops_every_rank(project, sent, status):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=_as_a_background_job,
     )
     try:
         pids = _started_ranks(proc, 2)
@@ -286,3 +295,37 @@ def test_the_tracked_run_is_named_at_the_end(project, store):
     (run,) = store.search_runs([store.get_experiment_by_name("cli").experiment_id])
     assert run.info.status == "FINISHED" and run.data.params["function"] == "helpers:whoami"
     assert run.data.tags["air_magic.kind"] == "function"
+
+
+def test_runs_lists_the_calls_and_logs_prints_a_ranks_log(project, tmp_path):
+    logs = tmp_path / "logs"
+    assert air_magic(project, "--log-dir", str(logs), "ddp.py", "first").returncode == 0
+    assert air_magic(project, "--log-dir", str(logs), "endings.py", "raise").returncode == 1
+    listed = subprocess.run(
+        [*command(), "runs", "--log-dir", str(logs)],
+        env=environment(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert listed.returncode == 0, listed.stderr
+    newest, oldest = listed.stdout.strip().splitlines()
+    assert " failed " in newest and "endings.py" in newest
+    assert " succeeded " in oldest and "ddp.py" in oldest
+    first_id = oldest.split()[0]
+    shown = subprocess.run(
+        [*command(), "logs", "--log-dir", str(logs), first_id, "1"],
+        env=environment(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert shown.returncode == 0 and "rank 1 of 2 argv=['first'] sum=3" in shown.stdout
+    missing = subprocess.run(
+        [*command(), "logs", "--log-dir", str(logs), "no-such-run"],
+        env=environment(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert missing.returncode == 2 and "no call 'no-such-run'" in missing.stderr

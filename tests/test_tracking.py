@@ -71,7 +71,7 @@ def test_one_run_per_call_with_params_metrics_from_every_rank_and_logs(store):
         assert [m.step for m in history] == [0, 1, 2]
     assert len(store.get_metric_history(run.info.run_id, "loss")) == 6  # both ranks, one key
     artifacts = {a.path for a in store.list_artifacts(run.info.run_id, "logs")}
-    assert artifacts == {"logs/rank-0.log", "logs/rank-1.log"}
+    assert artifacts == {"logs/rank-0.log", "logs/rank-1.log", "logs/run.json"}
     (source_file,) = [a.path for a in store.list_artifacts(run.info.run_id, "source")]
     source = store.download_artifacts(run.info.run_id, source_file)
     assert "def _log_from_every_rank" in Path(source).read_text()

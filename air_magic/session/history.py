@@ -1,16 +1,21 @@
 """The last runs of this process: where their logs are and how they ended.
 
 A consumer like the displays; ``air_magic.last_run()`` and ``%distributed
-status`` read it. Kept in memory only.
+status`` read it in memory. Each call's log folder also gets ``run.json``
+(written at the start and again at the end), which ``air-magic runs`` reads
+from any process; :func:`read_summaries` lists them.
 """
 
 from __future__ import annotations
 
 import collections
+import json
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from air_magic import paths
+from air_magic.protocol import wire
 from air_magic.protocol.events import Event, RankExited, RecordLink, RunFinished, RunStarted
 
 KEEP = 50  # calls remembered per process (last_run() needs one; %distributed status shows one)
@@ -54,6 +59,7 @@ class RunHistory:
                 self._current.tracking_url = self._record.url
                 self._current.mlflow_run_id = self._record.run_id
             _runs.append(self._current)
+            _write_summary(self._current)
         elif self._current is None:
             return
         elif isinstance(event, RankExited):
@@ -63,8 +69,41 @@ class RunHistory:
             self._current.outcome = event.outcome
             self._current.elapsed = event.elapsed
             self._current.error = event.error
+            _write_summary(self._current)
 
 
 def last_run() -> RunInfo | None:
     """The most recent run of this process (``None`` before the first)."""
     return _runs[-1] if _runs else None
+
+
+_SUMMARY_FIELDS = ("run_id", "name", "world_size", "log_dir", "outcome", "elapsed", "error", "mlflow_run_id")
+
+
+def _write_summary(info: RunInfo) -> None:
+    summary = {name: getattr(info, name) for name in _SUMMARY_FIELDS}
+    summary["tracking_url"] = info.tracking_url
+    summary["rank_states"] = {str(rank): state for rank, state in info.rank_states.items()}
+    try:
+        wire.write_atomically(paths.run_summary(info.log_dir), json.dumps(summary).encode())
+    except OSError:  # a log folder that went away must not fail the call
+        pass
+
+
+def read_summaries(log_root: str) -> list[dict[str, Any]]:
+    """Every call's summary under ``log_root``, newest first (a folder without one: outcome unknown)."""
+    found = []
+    try:
+        folders = sorted(os.scandir(log_root), key=lambda e: e.name, reverse=True)
+    except FileNotFoundError:
+        return []
+    for entry in folders:
+        if not entry.is_dir():
+            continue
+        try:
+            with open(paths.run_summary(entry.path)) as f:
+                summary = json.load(f)
+        except (OSError, ValueError):
+            summary = {"run_id": entry.name, "name": "?", "outcome": "unknown", "log_dir": entry.path}
+        found.append(summary)
+    return found
