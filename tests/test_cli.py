@@ -81,15 +81,21 @@ def environment() -> dict[str, str]:
     return env
 
 
-def air_magic(project, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def invoke(*args: str, cwd=None, timeout: float = 180, program: list[str] | None = None):
+    """``air-magic ARGS`` as a shell runs it; its CompletedProcess."""
     return subprocess.run(
-        [*command(), "run", "--no-tracking", *args],
-        cwd=project,
+        [*(program or command()), *args],
+        cwd=cwd,
         env=environment(),
         capture_output=True,
         text=True,
         timeout=timeout,
     )
+
+
+def air_magic(project, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """``air-magic run --no-tracking ARGS`` in the project's folder."""
+    return invoke("run", "--no-tracking", *args, cwd=project, timeout=timeout)
 
 
 def test_a_torchrun_script_runs_unchanged_with_its_arguments(project):
@@ -242,53 +248,27 @@ def test_a_notebook_runs_its_cells_in_order_distributed_ones_on_the_ranks(projec
         "%%distributed -n 2 --no-tracking --display text\nraise KeyError('missing')",
         "print('never')",
     )
-    done = subprocess.run(
-        [*command(), "run", "book.ipynb"],
-        cwd=project,
-        env=environment(),
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    done = invoke("run", "book.ipynb", cwd=project)
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert out.index("from the caller") < out.index("[rank 0] on rank 0") < out.index("after the cell:")
     assert "[rank 1] on rank 1" in out
-    broken = subprocess.run(
-        [*command(), "run", "broken.ipynb"],
-        cwd=project,
-        env=environment(),
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    broken = invoke("run", "broken.ipynb", cwd=project)
     assert broken.returncode == 1
     assert "KeyError" in broken.stdout + broken.stderr and "never" not in broken.stdout
     assert "cell 1 of broken.ipynb failed" in broken.stderr
 
 
 def test_python_dash_m_air_magic_is_the_same_command(project):
-    done = subprocess.run(
-        [sys.executable, "-m", "air_magic", "run", "--no-tracking", "helpers:whoami"],
-        cwd=project,
-        env=environment(),
-        capture_output=True,
-        text=True,
-        timeout=120,
+    done = invoke(
+        "run", "--no-tracking", "helpers:whoami", cwd=project, program=[sys.executable, "-m", "air_magic"]
     )
     assert done.returncode == 0, done.stderr
     assert "rank 1: {'rank': 1, 'args': []}" in done.stdout
 
 
 def test_the_tracked_run_is_named_at_the_end(project, store):
-    done = subprocess.run(
-        [*command(), "run", "--experiment", "cli", "helpers:whoami"],
-        cwd=project,
-        env=environment(),
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    done = invoke("run", "--experiment", "cli", "helpers:whoami", cwd=project)
     assert done.returncode == 0, done.stderr
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("air-magic: MLflow run ") and "experiment" in last
@@ -301,31 +281,13 @@ def test_runs_lists_the_calls_and_logs_prints_a_ranks_log(project, tmp_path):
     logs = tmp_path / "logs"
     assert air_magic(project, "--log-dir", str(logs), "ddp.py", "first").returncode == 0
     assert air_magic(project, "--log-dir", str(logs), "endings.py", "raise").returncode == 1
-    listed = subprocess.run(
-        [*command(), "runs", "--log-dir", str(logs)],
-        env=environment(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    listed = invoke("runs", "--log-dir", str(logs))
     assert listed.returncode == 0, listed.stderr
     newest, oldest = listed.stdout.strip().splitlines()
     assert " failed " in newest and "endings.py" in newest
     assert " succeeded " in oldest and "ddp.py" in oldest
     first_id = oldest.split()[0]
-    shown = subprocess.run(
-        [*command(), "logs", "--log-dir", str(logs), first_id, "1"],
-        env=environment(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    shown = invoke("logs", "--log-dir", str(logs), first_id, "1")
     assert shown.returncode == 0 and "rank 1 of 2 argv=['first'] sum=3" in shown.stdout
-    missing = subprocess.run(
-        [*command(), "logs", "--log-dir", str(logs), "no-such-run"],
-        env=environment(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    missing = invoke("logs", "--log-dir", str(logs), "no-such-run")
     assert missing.returncode == 2 and "no call 'no-such-run'" in missing.stderr
