@@ -105,7 +105,7 @@ def _parser() -> argparse.ArgumentParser:
 def _run_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="air-magic run",
-        usage="air-magic run [options] (script.py | -m module | module:function) [ARGS...]",
+        usage="air-magic run [options] (script.py | -m module | module:function | notebook.ipynb) [ARGS...]",
         description="Run TARGET on every rank, as @distributed does (options: the decorator's settings).",
     )
     add_arguments(parser)
