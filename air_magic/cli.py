@@ -373,7 +373,11 @@ def _report(
 
 
 def _print_error(error: BaseException) -> None:
-    """The rank's own traceback (not this process's frames, which say nothing), then the error."""
+    """The rank's own traceback (not this process's frames, which say nothing), then the error;
+    a request that cannot be met (no such GPUs, not placeable now) in one line."""
+    if isinstance(error, ConfigurationError):
+        print(f"air-magic run: {error}", file=sys.stderr)
+        return
     cause = error.__cause__
     if isinstance(cause, RemoteTraceback):
         print(str(cause), file=sys.stderr)

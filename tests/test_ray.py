@@ -408,6 +408,24 @@ def test_the_cell_magic_runs_on_ray(cluster, ip, capsys):
     assert last_run().outcome == "succeeded"
 
 
+def test_the_command_line_runs_on_ray(cluster, tmp_path):
+    from test_cli import invoke
+
+    from air_magic.backends.ray import placement
+
+    placement.release_all()  # this process's agents hold the GPUs: the command is another driver
+
+    (tmp_path / "where.py").write_text(
+        "import os\nprint('node', os.environ['NODE_RANK'], 'of', os.environ['WORLD_SIZE'])\n"
+    )
+    done = invoke(
+        "run", "--no-tracking", "-n", "3", "--cluster", f"ray={cluster.address}", "where.py", cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+    for rank in range(3):
+        assert f"[rank {rank}] node {rank} of 3" in done.stdout
+
+
 def test_ray_launch_runs_the_function_once_as_a_driver_of_the_cluster(cluster):
     import air_magic
 
