@@ -145,7 +145,7 @@ class VolumeDataset(torch.utils.data.IterableDataset[str]):
     # -- inside ------------------------------------------------------------------------
 
     def _current_shape(self) -> dict[str, int]:
-        """What a saved position is only valid for: files, ranks, workers per rank, seed."""
+        """What a saved position is only valid for: files, ranks, workers per rank, batch size, seed."""
         _, world = _rank_and_world()
         _, workers = _worker()
         return {

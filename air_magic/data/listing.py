@@ -36,34 +36,33 @@ class FileList:
 
     @property
     def fs(self) -> Any:
-        """The URL's fsspec filesystem, made in this process (see :func:`filesystem`)."""
-        return filesystem(self.url)
+        """The URL's fsspec filesystem, made in this process (see :func:`location`)."""
+        return location(self.url)[0]
 
 
-_filesystems: dict[tuple[int, str], Any] = {}
+_locations: dict[tuple[int, str], tuple[Any, str]] = {}
 
 
-def filesystem(url: str) -> Any:
-    """The fsspec filesystem of ``url``, one per process.
+def location(url: str) -> tuple[Any, str]:
+    """The fsspec filesystem of ``url`` and the path in it, made once per process.
 
     Not kept in the dataset: an async filesystem (http, s3, gcs) used before a
     fork fails in the child ("This class is not fork-safe"), and DataLoader
     workers are forks of the rank that listed the files.
     """
     key = (os.getpid(), url)
-    fs = _filesystems.get(key)
-    if fs is None:
-        fs, _ = require("fsspec.core").url_to_fs(url)
-        for other in [k for k in _filesystems if k[0] != key[0]]:
-            del _filesystems[other]  # a fork's parent's: of no use here
-        _filesystems[key] = fs
-    return fs
+    found = _locations.get(key)
+    if found is None:
+        found = require("fsspec.core").url_to_fs(url)
+        for other in [k for k in _locations if k[0] != key[0]]:
+            del _locations[other]  # a fork's parent's: of no use here
+        _locations[key] = found
+    return found
 
 
 def list_files(url: str, pattern: str | None = None) -> FileList:
     """Every file under ``url`` (recursively) whose relative path matches ``pattern`` (fnmatch)."""
-    fs = filesystem(url)
-    _, root = require("fsspec.core").url_to_fs(url)
+    fs, root = location(url)
     if not fs.exists(root):
         raise FileNotFoundError(f"air_magic.data: {url!r} does not exist (nothing to read)")
     local = "file" in _protocols(fs)
