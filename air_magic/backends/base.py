@@ -15,6 +15,8 @@ in three steps:
 3. :meth:`Backend.stop` — from any thread: stop the call in progress as an
    interrupt would (every rank and its children, a short grace); ``run`` then
    returns an 'interrupted' result. Harmless when nothing runs.
+4. :meth:`Backend.stacks` — from any thread: every running rank's thread stacks
+   (``launch/stacks.py``), by rank; ``{}`` when nothing runs.
 
 A new backend is done when ``tests/test_backend_contract.py`` passes for it.
 """
@@ -37,3 +39,5 @@ class Backend(Protocol):
     def run(self, request: LaunchRequest, bus: EventBus) -> RunResult: ...
 
     def stop(self) -> None: ...
+
+    def stacks(self) -> dict[int, str]: ...

@@ -16,6 +16,7 @@ PRELOAD = "AIR_MAGIC_PRELOAD"  # modules the warm starter imports (comma-separat
 STARTER_WAIT = "AIR_MAGIC_STARTER_WAIT"  # seconds a starter may take to become ready
 FORCE_CPU = "AIR_MAGIC_FORCE_CPU"  # '1': plan CPU ranks even when GPUs are visible
 CPU_RANKS = "AIR_MAGIC_CPU_RANKS"  # how many CPU ranks a machine without GPUs runs by default
+STACKS = "AIR_MAGIC_STACKS"  # how stacks are taken: 'auto' (py-spy if installed), 'py-spy' or 'signal'
 RAY_PLACE_WAIT = "AIR_MAGIC_RAY_PLACE_WAIT"  # seconds a Ray placement may take before the call fails
 
 # -- Ray's own, which air_magic sets when it starts a local Ray (backends/ray/cluster.py) ----------

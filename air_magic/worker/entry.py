@@ -40,6 +40,7 @@ from typing import Any, NoReturn
 import psutil
 
 from air_magic.protocol import env_names, serialization, wire
+from air_magic.protocol.stacks import STACKS_SIGNAL, stacks_path
 from air_magic.worker import mlflow_hook as rank_mlflow
 
 # The launcher passes this to ``python -c``; argv[1] is the run directory.
@@ -66,6 +67,7 @@ def main(transport: wire.RankTransport) -> NoReturn:
     install_exit_hook()  # no-op in a forked rank: the starter installed it before its preload
     # A segfault in C code still leaves a Python stack in the rank's log.
     faulthandler.enable(all_threads=True)
+    _answer_stack_requests()
     _watch_lifeline()
     rank_mlflow.install()  # only a hook: mlflow is patched if and when the rank imports it
     rank = transport.rank
@@ -150,6 +152,30 @@ def _safe_str(exc: BaseException) -> str:
         return str(exc)
     except Exception:  # noqa: BLE001 - str() of a user's exception can raise anything
         return f"<{type(exc).__name__}: str() failed>"
+
+
+_stacks_file: Any = None  # kept open: faulthandler writes to its descriptor when signalled
+
+
+def _answer_stack_requests() -> None:
+    """Dump every thread's stack to the rank's stacks file on STACKS_SIGNAL (protocol/stacks.py).
+
+    The file is created after the handler is registered: its existence tells the caller
+    that the signal is safe to send.
+    """
+    global _stacks_file
+    log_dir = os.environ.get(env_names.LOG_DIR)
+    rank = os.environ.get("RANK")
+    if not log_dir or rank is None or _stacks_file is not None:
+        return
+    path = stacks_path(log_dir, int(rank))
+    try:
+        tmp = f"{path}.{os.getpid()}.tmp"
+        _stacks_file = open(tmp, "a", buffering=1)  # noqa: SIM115 - open for the rank's life
+        faulthandler.register(STACKS_SIGNAL, file=_stacks_file, all_threads=True, chain=False)
+        os.replace(tmp, path)
+    except (OSError, ValueError, RuntimeError):  # no log folder, or no such signal here: py-spy only
+        _stacks_file = None
 
 
 def _watch_lifeline() -> None:

@@ -43,6 +43,7 @@ class LocalBackend:
         self.warm_start = warm_start
         self.name = "local-warm" if warm_start else "local-fresh"
         self._stop_requested = threading.Event()
+        self._loop: CallLoop | None = None  # the call in progress, for stacks()
 
     def prepare(self, settings: LaunchSettings) -> AcceleratorPlan:
         if self.warm_start:
@@ -66,7 +67,11 @@ class LocalBackend:
                 loop = CallLoop(
                     request, bus, place, warm_start=self.warm_start, stop_requested=self._stop_requested
                 )
-                return loop.execute()
+                self._loop = loop
+                try:
+                    return loop.execute()
+                finally:
+                    self._loop = None
             finally:
                 store.close()
         finally:
@@ -74,6 +79,10 @@ class LocalBackend:
 
     def stop(self) -> None:
         self._stop_requested.set()
+
+    def stacks(self) -> dict[int, str]:
+        loop = self._loop
+        return loop.stacks() if loop is not None else {}
 
 
 def write_call_files(run_dir: str, payload: bytes) -> None:

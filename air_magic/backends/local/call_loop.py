@@ -32,6 +32,7 @@ from air_magic.errors import DistributedTimeoutError, LaunchError, PayloadError
 from air_magic.launch.failures import RankFailure, build_exception, exit_words
 from air_magic.launch.rank_env import RankPlace, rank_environment
 from air_magic.launch.request import LaunchRequest, RunResult
+from air_magic.launch.stacks import take_stacks, timeout_section
 from air_magic.process_tree import DescendantTracker, stop_trees
 from air_magic.protocol import serialization, wire
 from air_magic.protocol.events import (
@@ -226,6 +227,16 @@ class CallLoop:
     def _deadline_passed(self) -> bool:
         return self.deadline is not None and time.monotonic() >= self.deadline
 
+    # -- looking inside ----------------------------------------------------------------
+
+    def running_pids(self) -> dict[int, int]:
+        """rank -> pid of every rank not yet reaped (from any thread)."""
+        return {r.rank: r.proc.pid for r in list(self.ranks) if r.exit_code is None}
+
+    def stacks(self, why: str = "on request") -> dict[int, str]:
+        """Every running rank's thread stacks (launch/stacks.py), from any thread."""
+        return take_stacks(self.running_pids(), self.log_dir, why)
+
     # -- the one loop ------------------------------------------------------------------
 
     def _watch(self) -> str:
@@ -390,6 +401,8 @@ class CallLoop:
         if outcome == "timeout":
             running = [r for r in self.ranks if r.exit_code is None]
             returned = {r.rank for r in running if os.path.exists(wire.result_path(self.run_dir, r.rank))}
+            # Before they are stopped: what each rank was doing when the time ran out.
+            stacks = self.stacks(why="at the timeout")
             self._stop(GRACE_S)
             self.pipes.drain(_DRAIN_S)
             lines = []
@@ -404,6 +417,7 @@ class CallLoop:
                 else:
                     what = "was still running"
                 lines.append(f"  rank {r.rank} {what}; its last lines:\n{shown}")
+            lines += timeout_section(stacks, self.log_dir)
             return DistributedTimeoutError(
                 f"timed out after {self.request.timeout:g} s (timeout={self.request.timeout:g}); "
                 "every rank was stopped.\n" + "\n".join(lines) + f"\n  Logs: {self.log_dir}",

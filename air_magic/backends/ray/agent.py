@@ -50,6 +50,7 @@ from air_magic.backends.local.ranks import RankPipes, RankSlot, spawn_rank
 from air_magic.backends.local.rendezvous import RendezvousStore
 from air_magic.launch.accelerators import AcceleratorPlan, detect_gpus
 from air_magic.launch.rank_env import RankPlace, rank_environment
+from air_magic.launch.stacks import take_stacks
 from air_magic.process_tree import DescendantTracker, stop_trees
 from air_magic.protocol import env_names, wire
 
@@ -174,6 +175,17 @@ class NodeAgent:
 
     def ping(self) -> int:
         return os.getpid()
+
+    def stacks(self, run_id: str) -> dict[int, str]:
+        """The thread stacks of this node's running ranks of call ``run_id`` (launch/stacks.py)."""
+        call = self._call
+        if call is None or call.run_id != run_id:
+            return {}
+        pids = {r.rank: r.proc.pid for r in list(call.ranks) if r.exit_code is None}
+        # The ranks write signal dumps to the call's log folder path, which exists on the
+        # caller's node; elsewhere only py-spy can read them (and the dump is kept here).
+        log_dir = call.spec["log_dir"] if os.path.isdir(call.spec["log_dir"]) else call.run_dir
+        return take_stacks(pids, log_dir)
 
     # -- inside ----------------------------------------------------------------------------
 

@@ -33,6 +33,7 @@ class RayBackend:
         self.name = "ray-warm" if warm_start else "ray-fresh"
         self._stop_requested = threading.Event()
         self._pool: placement.Pool | None = None
+        self._run: RayRun | None = None  # the call in progress, for stacks()
 
     def prepare(self, settings: LaunchSettings) -> AcceleratorPlan:
         cluster.require_ray()
@@ -63,9 +64,15 @@ class RayBackend:
                 stop_requested=self._stop_requested,
                 starter_wait_s=warm.starter_wait_s(),
             )
+            self._run = loop
             return loop.execute()
         finally:
+            self._run = None
             pool.in_use.release()
 
     def stop(self) -> None:
         self._stop_requested.set()
+
+    def stacks(self) -> dict[int, str]:
+        run = self._run
+        return run.stacks() if run is not None else {}

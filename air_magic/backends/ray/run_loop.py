@@ -35,6 +35,7 @@ from air_magic.backends.ray.placement import Pool
 from air_magic.errors import DistributedTimeoutError, LaunchError, PayloadError, RankFailedError
 from air_magic.launch.failures import RankFailure, build_exception, exit_words
 from air_magic.launch.request import LaunchRequest, RunResult, new_run_id
+from air_magic.launch.stacks import timeout_section
 from air_magic.protocol import env_names, serialization, wire
 from air_magic.protocol.events import (
     EventBus,
@@ -52,6 +53,7 @@ GRACE_S = 3.0
 INTERRUPT_GRACE_S = 1.0
 REPORTED_EXIT_S = 1.0  # as local: a rank that reported its error and has not exited by then has failed
 SETTLE_S = 0.5  # after the first failure, news still on its way from other nodes is taken in first
+STACKS_WAIT_S = 30.0  # every node's dumps (py-spy takes up to 10 s on a rank that does not answer)
 STOP_WAIT_S = 10.0  # after the stop, how long agents get to report their ranks' exits
 MAX_POLL_ERRORS = 5  # an agent that fails this many polls in a row (unreachable, not dead) is lost
 # A live agent answers every poll within POLL_S. One silent this long is taken for lost: when a
@@ -181,8 +183,9 @@ class RayRun:
                 error = self._stopped_error()
             elif outcome == "timeout":
                 running = [r.rank for r in self.ranks if not r.exited]
+                stacks = self.stacks()  # before they are stopped
                 self._stop(GRACE_S)
-                error = self._timeout_error(running)
+                error = self._timeout_error(running, stacks)
             else:
                 self._stop(GRACE_S)
                 error = self._failure_error()
@@ -508,7 +511,22 @@ class RayRun:
     def _stopped_error(self) -> LaunchError:
         return LaunchError(f"{self.request.name} was stopped before it finished; every rank is gone")
 
-    def _timeout_error(self, running: list[int] | None = None) -> DistributedTimeoutError:
+    def stacks(self) -> dict[int, str]:
+        """Every running rank's thread stacks, each node's agent taking its own (from any thread)."""
+        found: dict[int, str] = {}
+        try:
+            parts = self.ray.get(
+                [agent.stacks.remote(self.run_id) for agent in self.agents], timeout=STACKS_WAIT_S
+            )
+        except Exception:  # noqa: BLE001 - stacks are a help; a node that cannot answer gives none
+            return found
+        for part in parts:
+            found.update(part)
+        return found
+
+    def _timeout_error(
+        self, running: list[int] | None = None, stacks: dict[int, str] | None = None
+    ) -> DistributedTimeoutError:
         timeout = self.request.timeout or 0
         if running is None:
             return DistributedTimeoutError(
@@ -522,6 +540,7 @@ class RayRun:
             tail = self.router.tails[rank].last(5)
             shown = "\n".join(f"      {line}" for line in tail) if tail else "      (nothing printed)"
             lines.append(f"  rank {rank} was still running; its last lines:\n{shown}")
+        lines += timeout_section(stacks or {}, self.log_dir)
         return DistributedTimeoutError(
             f"timed out after {timeout:g} s (timeout={timeout:g}); every rank was stopped.\n"
             + "\n".join(lines)
