@@ -36,6 +36,7 @@ _LAZY = {
     "DistributedFunction": "air_magic.decorator",
     "distributed": "air_magic.decorator",
     "RunInfo": "air_magic.session.history",
+    "RunHandle": "air_magic.session.background",
     "last_run": "air_magic.session.history",
     "restart_warm_start": "air_magic.session.call",
     "ray_init": "air_magic.backends.ray.cluster",
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
     from air_magic.backends.ray.cluster import ray_init
     from air_magic.decorator import DistributedFunction, distributed, ray_launch
     from air_magic.launch.accelerators import AcceleratorType
+    from air_magic.session.background import RunHandle
     from air_magic.session.call import restart_warm_start
     from air_magic.session.history import RunInfo, last_run
     from air_magic.worker.torch_helpers import init_process_group
@@ -95,6 +97,7 @@ __all__ = [
     "PayloadError",
     "RankFailedError",
     "RemoteTraceback",
+    "RunHandle",
     "RunInfo",
     "__version__",
     "distributed",

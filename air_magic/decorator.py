@@ -14,11 +14,12 @@ import inspect
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar, overload
 
-from air_magic.errors import DirectCallError
+from air_magic.errors import ConfigurationError, DirectCallError
 from air_magic.launch.accelerators import AcceleratorType
 from air_magic.launch.payload import remember_module_file
 from air_magic.launch.settings import _UNSET, LaunchSettings, make_settings
-from air_magic.session.call import run_call
+from air_magic.session.background import RunHandle, start_background
+from air_magic.session.call import prepare_call, run_call
 from air_magic.session.ray_driver import run_as_driver
 
 R = TypeVar("R")
@@ -67,6 +68,16 @@ class DistributedFunction(Generic[R]):
         name = getattr(self.func, "__qualname__", "function")
         return run_call(name, self.func, bound, self.settings).unwrap()
 
+    def distributed_async(self, *args: Any, **kwargs: Any) -> RunHandle:
+        """Start the function on every rank and return at once: a :class:`RunHandle` with
+        ``result(timeout)`` (each rank's result, or the first failing rank's error), ``done()``,
+        ``cancel()``, ``status``, ``logs(rank)`` and ``stacks()``. Every check a foreground call
+        makes (arguments, settings, payload, GPUs in use) is made here, before it returns.
+        """
+        bound = self._signature.bind(*args, **kwargs)
+        name = getattr(self.func, "__qualname__", "function")
+        return start_background(prepare_call(name, self.func, bound, self.settings))
+
 
 @overload
 def distributed(num_accelerators: Callable[..., R], /) -> DistributedFunction[R]: ...
@@ -89,6 +100,7 @@ def distributed(
     run_name: str | None = None,
     warm_start: bool = ...,
     cluster: str | None = None,
+    share_gpus: bool = ...,
 ) -> Callable[[Callable[..., R]], DistributedFunction[R]]: ...
 
 
@@ -111,6 +123,7 @@ def distributed(
     run_name: Any = None,
     warm_start: Any = _UNSET,
     cluster: Any = None,
+    share_gpus: Any = _UNSET,
 ) -> Any:
     """Decorate a training function to run once per GPU (or CPU rank) via ``fn.distributed(...)``.
 
@@ -136,6 +149,8 @@ def distributed(
       instead of starting fresh interpreters. Default True.
     - ``cluster``: where the ranks run: this machine, or 'ray' (every node of a Ray
       cluster; 'ray=ADDRESS' names the cluster). Default ``None``: this machine.
+    - ``share_gpus``: run even on GPUs that a background run of this process is using
+      (both then share their memory and time). Default False.
     - ``experiment``: the MLflow experiment. Default: MLflow's own, else the notebook's
       or script's name.
     - ``run_name``: the MLflow run's name. Default: MLflow's.
@@ -158,6 +173,7 @@ def distributed(
         run_name=run_name,
         warm_start=warm_start,
         cluster=cluster,
+        share_gpus=share_gpus,
     )
 
     def decorate(func: Callable[..., R]) -> DistributedFunction[R]:
@@ -177,6 +193,12 @@ class RayDriverFunction(DistributedFunction[R]):
         bound = self._signature.bind(*args, **kwargs)
         name = getattr(self.func, "__qualname__", "function")
         return run_as_driver(name, self.func, bound, self.settings).unwrap()
+
+    def distributed_async(self, *args: Any, **kwargs: Any) -> RunHandle:
+        raise ConfigurationError(
+            "@ray_launch functions run in the foreground only: call fn.distributed(...) "
+            "(a Ray driver can itself start Ray work in the background)"
+        )
 
 
 def ray_launch(num_accelerators: Any = None, accelerator_type: Any = None, **settings: Any) -> Any:

@@ -43,6 +43,10 @@ class TextDisplay:
         self._splitters: dict[tuple[int, str], LineSplitter] = {}
         self._width = prefix_width
 
+    def set_record(self, record: RecordLink | None) -> None:
+        """The call's MLflow run, known once it exists (before the ranks start)."""
+        self._record = record
+
     # sys.stdout is read at each write: IPython swaps it per cell.
     def _stream(self, name: str) -> TextIO:
         if name == "stderr":

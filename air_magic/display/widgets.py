@@ -76,12 +76,30 @@ class WidgetDisplay:
         self._outcome = "running"
         self._elapsed = 0.0
         self._t0 = time.monotonic()
+        self._name = ""
+
+    def set_record(self, record: RecordLink | None) -> None:
+        """The call's MLflow run, known once it exists (a background call shows its tabs before)."""
+        self._record = record
+
+    def show(self, world_size: int, name: str) -> None:
+        """Put the tabs in the cell now, before the call starts (a background call: the cell that
+        started it may end before its first event, and a frontend shows nothing sent to a cell
+        after it ended; later changes are widget state, which reaches the tabs wherever they are)."""
+        self._name = name
+        self._outcome = "starting"
+        self._make(world_size)
 
     # -- events -------------------------------------------------------------------------
 
     def handle(self, event: Event) -> None:
         if isinstance(event, RunStarted):
-            self._build(event)
+            self._run = event
+            self._outcome = "running"
+            if not self._screens or len(self._screens) != event.world_size:
+                self._make(event.world_size)
+            else:
+                self._refresh_run()
         elif self._run is None:
             return
         elif isinstance(event, RankOutput):
@@ -109,12 +127,10 @@ class WidgetDisplay:
 
     # -- widgets ------------------------------------------------------------------------
 
-    def _build(self, event: RunStarted) -> None:
+    def _make(self, n: int) -> None:
         import ipywidgets as w
         from IPython.display import display
 
-        self._run = event
-        n = event.world_size
         self._screens = [RankScreen() for _ in range(n)]
         self._states = [RankState.STARTING] * n
         self._reasons = [""] * n
@@ -132,6 +148,12 @@ class WidgetDisplay:
         self._box = w.VBox([self._header, self._tab])
         self._box.add_class("air-magic-run")
         display(self._box)
+
+    def _refresh_run(self) -> None:
+        """The run started: its log folder goes in every footer, its mode in the header."""
+        for rank, footer in enumerate(self._footers):
+            footer.value = self._footer_html(rank)
+        self._header.value = self._header_html()
 
     def _flush(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -156,7 +178,8 @@ class WidgetDisplay:
         return f"rank {rank} {GLYPHS[self._states[rank]]}"
 
     def _footer_html(self, rank: int) -> str:
-        assert self._run is not None
+        if self._run is None:
+            return '<small style="color:#666">starting</small>'
         dropped = self._screens[rank].dropped
         shown = f"{dropped} earlier lines not shown; " if dropped else ""
         path = html.escape(paths.rank_log(self._run.log_dir, rank))
@@ -164,8 +187,12 @@ class WidgetDisplay:
 
     def _header_html(self) -> str:
         run = self._run
-        assert run is not None
-        mode = f"CPU mode, {run.backend}" if run.cpu_mode else f"{run.detected}, {run.backend}"
+        n = len(self._states)
+        if run is None:
+            mode, name = "the ranks are not started yet", self._name
+        else:
+            mode = f"CPU mode, {run.backend}" if run.cpu_mode else f"{run.detected}, {run.backend}"
+            name = run.name
         outcome = self._outcome
         rows = []
         for r, state in enumerate(self._states):
@@ -184,7 +211,7 @@ class WidgetDisplay:
         else:
             link = ""
         return (
-            f"<div><b>{html.escape(run.name)}</b> · {run.world_size} rank(s) · {html.escape(mode)} · "
+            f"<div><b>{html.escape(name)}</b> · {n} rank(s) · {html.escape(mode)} · "
             f"{html.escape(outcome)} · {self._elapsed:.1f} s{link}</div>"
             '<table style="font-size:90%"><tr><th align=left>rank</th><th align=left>state</th>'
             "<th align=left>elapsed</th><th align=left>exit</th></tr>" + "".join(rows) + "</table>"

@@ -297,6 +297,17 @@ class LaunchSettings:
             )
         ),
     )
+    share_gpus: bool = field(
+        default=False,
+        metadata=_about(
+            Setting(
+                help="run even on GPUs that a background run of this process is using "
+                "(both then share their memory and time)",
+                check=functools.partial(_check_bool, "share_gpus"),
+                switch=True,
+            )
+        ),
+    )
     experiment: str | None = field(
         default=None,
         metadata=_about(

@@ -49,8 +49,8 @@ from air_magic.launch.accelerators import describe, detect_gpus
 from air_magic.launch.settings import LaunchSettings, argument_specs, make_settings, settings_from_args
 from air_magic.notebook.cell_analysis import names_assigned, names_deleted, names_read, star_imports
 from air_magic.protocol import serialization
+from air_magic.session import background, history
 from air_magic.session import call as session
-from air_magic.session import history
 from air_magic.worker import cell_runner
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -78,6 +78,12 @@ class DistributedMagics(Magics):
     @argument("--push", default="", help="comma-separated names to send besides those detected")
     @argument("--pull", default=None, help="comma-separated names to bring back from rank 0")
     @argument("--no-pull", action="store_true", help="bring nothing back")
+    @argument(
+        "--background",
+        action="store_true",
+        help="return a handle at once and keep the notebook free while the ranks run; "
+        "handle.result() waits, then brings the names back",
+    )
     @cell_magic
     def distributed(self, line: str, cell: str) -> Any:
         """Run this cell on every GPU (or CPU rank); bring rank 0's new and changed names back.
@@ -127,12 +133,22 @@ class DistributedMagics(Magics):
             source, filename, values, modules, pull, watch=watch, star_modules=stars
         )
         name = f"cell [{number}]"
-        outcomes = session.run_call(
-            name, cell_runner.run_cell, bound, settings, kind="cell", source=cell
-        ).unwrap()
         deleted = set(names_deleted(tree))
-        return _bring_back(
-            shell, outcomes, _ends_with_expression(tree), imported=set(_imported(tree)), deleted=deleted
+
+        def bring_back(outcomes: list[cell_runner.CellOutcome]) -> Any:
+            return _bring_back(
+                shell, outcomes, _ends_with_expression(tree), imported=set(_imported(tree)), deleted=deleted
+            )
+
+        if args.background:
+            prepared = session.prepare_call(
+                name, cell_runner.run_cell, bound, settings, kind="cell", source=cell
+            )
+            # The names come back when handle.result() is called, on the notebook's own thread:
+            # never into the namespace of whatever cell happens to run when the ranks finish.
+            return background.start_background(prepared, on_result=lambda result: bring_back(result.unwrap()))
+        return bring_back(
+            session.run_call(name, cell_runner.run_cell, bound, settings, kind="cell", source=cell).unwrap()
         )
 
     @line_magic("distributed")  # type: ignore[arg-type]
@@ -153,6 +169,10 @@ class DistributedMagics(Magics):
             session.restart_warm_start()
             print("air_magic: the warm starter was stopped; the next call starts a fresh one")
             return None
+        if command == "stack":
+            return _stack(words[1:])
+        if command == "cancel":
+            return _cancel()
         if command == "mlflow-ui":
             return _mlflow_ui()
         if command == "help":
@@ -163,6 +183,8 @@ class DistributedMagics(Magics):
 
 _HELP = """%distributed status        the last run: outcome, time, each rank's state, log folder
 %distributed logs [RANK]   where the last run's logs are, or the end of one rank's log
+%distributed stack [RANK]  every thread's stack in each rank of the running background run
+%distributed cancel        stop the newest running background run (every rank)
 %distributed settings      what this machine has, where logs go
 %distributed restart       rebuild the warm starter (it also rebuilds itself after package changes)
 %distributed mlflow-ui     start an MLflow UI on 127.0.0.1 over the local store; runs link to it
@@ -333,6 +355,40 @@ def _mlflow_ui() -> Any:
     display(HTML(f'<a href="{base}" target="_blank">MLflow UI</a> on {base} (store {uri})'))
     print(f"MLflow UI: {base}")
     return None
+
+
+def _newest_background() -> background.RunHandle:
+    runs = background.running()
+    if not runs:
+        raise UsageError(
+            "%distributed: no background run is running in this kernel (start one with "
+            "%%distributed --background or fn.distributed_async(...))"
+        )
+    return runs[-1]
+
+
+def _stack(args: list[str]) -> Any:
+    handle = _newest_background()
+    dump = handle.stacks()
+    if args:
+        try:
+            rank = int(args[0])
+        except ValueError:
+            raise UsageError("%distributed stack takes a rank number") from None
+        if not 0 <= rank < handle.world_size:
+            raise UsageError(f"rank {rank} is not in {handle.name} (ranks 0 to {handle.world_size - 1})")
+        dump = background.StackDump({r: t for r, t in dump.items() if r == rank})
+    print(f"{handle.name}, {handle.status}:")
+    print(dump)
+    if handle.log_dir:
+        print(f"(every frame and thread: {handle.log_dir}/stacks.txt)")
+    return None
+
+
+def _cancel() -> None:
+    handle = _newest_background()
+    ended = handle.cancel()
+    print(f"air_magic: {handle.name} {'cancelled; every rank is gone' if ended else 'is still stopping'}")
 
 
 def _status() -> None:

@@ -20,6 +20,7 @@ import atexit
 import inspect
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from air_magic.backends.base import Backend
@@ -27,11 +28,13 @@ from air_magic.backends.local import warm
 from air_magic.backends.local.backend import LocalBackend
 from air_magic.display.widgets import make_consumers
 from air_magic.errors import ConfigurationError
+from air_magic.launch.accelerators import AcceleratorPlan
 from air_magic.launch.payload import build_payload
 from air_magic.launch.request import LaunchRequest, RunResult
 from air_magic.launch.settings import LaunchSettings
 from air_magic.protocol import env_names
 from air_magic.protocol.events import Consumer, EventBus
+from air_magic.session import gpu_claims
 from air_magic.session.history import RunHistory
 from air_magic.tracking import run as tracking
 
@@ -62,6 +65,22 @@ def run_call(
     ``consumers``: more consumers of the call's events, beside the display that
     ``settings.display`` names (the command line's JSON lines, say).
     """
+    prepared = prepare_call(name, func, bound, settings, kind=kind, source=source, backend=backend)
+    return prepared.run(prepared.displays(), consumers)
+
+
+def prepare_call(
+    name: str,
+    func: Callable[..., Any],
+    bound: inspect.BoundArguments,
+    settings: LaunchSettings,
+    *,
+    kind: str = "function",
+    source: str | None = None,
+    backend: Backend | None = None,
+) -> PreparedCall:
+    """Steps 1-5 up to the wait for the MLflow run: everything that can refuse the call, on the
+    caller's thread (a background call raises here, before its handle exists)."""
     inside = os.environ.get(env_names.RUN_ID)
     if inside:
         raise ConfigurationError(
@@ -71,6 +90,8 @@ def run_call(
     backend = backend if backend is not None else backend_for(settings)
     plan = backend.prepare(settings)
     payload = build_payload(func, bound, settings.max_payload_bytes)
+    # The last check, on the caller's thread: from here the GPUs are this call's until run() ends.
+    claim = gpu_claims.claim(name, plan, settings.share_gpus)
     run_start = None
     if settings.tracking:
         call = tracking.CallFacts(
@@ -84,34 +105,66 @@ def run_call(
             run_name=settings.run_name,
         )
         run_start = tracking.RunStart(call, log_root=settings.log_dir)
-    outcome = "interrupted"
-    # The run is made inside the try: an interrupt at any moment from here on (even while
-    # the run is being created, on RunStart's thread) ends it KILLED rather than leaving it RUNNING.
-    try:
-        tracked = run_start.wait() if run_start is not None else None
-        record = tracked.link() if tracked is not None else None
-        request = LaunchRequest(
-            name=name,
-            payload=payload,
-            plan=plan,
-            timeout=settings.timeout,
-            env={**(tracked.env if tracked else {}), **settings.env},
-            log_root=settings.log_dir,
-        )
-        wired: list[Consumer] = [RunHistory(record), *make_consumers(settings.display, record), *consumers]
-        if tracked is not None:
-            wired.append(tracked)
-        result = backend.run(request, EventBus(wired))
-        outcome = result.outcome
-        return result
-    except KeyboardInterrupt:
-        raise
-    except BaseException:
-        outcome = "failed"
-        raise
-    finally:
-        if run_start is not None:
-            run_start.end(outcome)
+        run_start.remember_active()
+    return PreparedCall(name, settings, backend, plan, payload, run_start, claim)
+
+
+@dataclass
+class PreparedCall:
+    """A call that passed every check, its payload packed and its MLflow run on its way."""
+
+    name: str
+    settings: LaunchSettings
+    backend: Backend
+    plan: AcceleratorPlan
+    payload: bytes
+    run_start: tracking.RunStart | None
+    claim: int | None  # the GPUs this call holds (gpu_claims), released when run() ends
+
+    def displays(self) -> list[Consumer]:
+        """The display that ``settings.display`` names (built on the caller's thread: a background
+        call shows its tabs in the cell that started it, before the cell ends)."""
+        return make_consumers(self.settings.display)
+
+    def abandon(self) -> None:
+        """The call will not run after all: its GPUs are free again."""
+        gpu_claims.release(self.claim)
+
+    def run(self, displays: Sequence[Consumer], consumers: Sequence[Consumer] = ()) -> RunResult:
+        """Steps 5-8: wait for the tracked run, run the ranks, end the tracked run with the outcome."""
+        run_start = self.run_start
+        outcome = "interrupted"
+        # The run is made inside the try: an interrupt at any moment from here on (even while
+        # the run is being created, on RunStart's thread) ends it KILLED rather than leaving it RUNNING.
+        try:
+            tracked = run_start.wait() if run_start is not None else None
+            record = tracked.link() if tracked is not None else None
+            for display in displays:
+                if hasattr(display, "set_record"):
+                    display.set_record(record)
+            request = LaunchRequest(
+                name=self.name,
+                payload=self.payload,
+                plan=self.plan,
+                timeout=self.settings.timeout,
+                env={**(tracked.env if tracked else {}), **self.settings.env},
+                log_root=self.settings.log_dir,
+            )
+            wired: list[Consumer] = [RunHistory(record), *displays, *consumers]
+            if tracked is not None:
+                wired.append(tracked)
+            result = self.backend.run(request, EventBus(wired))
+            outcome = result.outcome
+            return result
+        except KeyboardInterrupt:
+            raise
+        except BaseException:
+            outcome = "failed"
+            raise
+        finally:
+            gpu_claims.release(self.claim)
+            if run_start is not None:
+                run_start.end(outcome)
 
 
 def _source_of(func: Callable[..., Any]) -> str | None:
@@ -123,9 +176,13 @@ def _source_of(func: Callable[..., Any]) -> str | None:
 
 @atexit.register
 def _at_exit() -> None:
-    """An orderly exit mid-call (kernel shutdown or restart): first every rank stops, then the
-    tracked runs end KILLED, with their logs complete. Registered here, in that order, not left to
-    the order in which the modules happened to be imported (atexit runs hooks last-in first-out)."""
+    """An orderly exit mid-call (kernel shutdown or restart): background runs are cancelled (each
+    ends as an interrupt would end it), then every rank left stops, then the tracked runs end
+    KILLED, with their logs complete. Registered here, in that order, not left to the order in
+    which the modules happened to be imported (atexit runs hooks last-in first-out)."""
+    from air_magic.session import background
+
+    background.cancel_all()
     warm.at_exit()
     tracking.end_live_runs()
 

@@ -36,6 +36,7 @@ import queue
 import re
 import shutil
 import socket
+import sys
 import threading
 import warnings
 from collections.abc import Callable
@@ -210,6 +211,9 @@ class CallFacts:
     run_name: str | None
 
 
+_NOT_READ = object()
+
+
 class RunStart:
     """Creates the call's run on an owner thread, which then does all of the run's MLflow work.
 
@@ -234,13 +238,22 @@ class RunStart:
         self._tracked: TrackedRun | None = None
         self._unreachable: str | None = None
         self._error: BaseException | None = None
+        self._active: Any = _NOT_READ
+
+    def remember_active(self) -> None:
+        """Read the caller's active MLflow run now, on the caller's thread (a background call waits
+        for its run on another). Without mlflow imported there can be no active run."""
+        mlflow = sys.modules.get("mlflow")
+        self._active = mlflow.active_run() if mlflow is not None else None
 
     def wait(self) -> TrackedRun | None:
         """The call's run, or None: mlflow not installed, or the tracking server not answering."""
         mlflow = import_mlflow()
         if mlflow is None:
             return None
-        active = mlflow.active_run()  # MLflow keeps the active run per thread: read it on the caller's
+        # MLflow keeps the active run per thread: read it on the caller's (remember_active() did,
+        # for a call that waits here on a thread of its own).
+        active = self._active if self._active is not _NOT_READ else mlflow.active_run()
         owner = threading.Thread(target=self._own, args=(mlflow, active), name="air_magic-run", daemon=True)
         owner.start()
         self._uri_known.wait()

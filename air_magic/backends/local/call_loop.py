@@ -100,6 +100,7 @@ class CallLoop:
         self.failed_rank: int | None = None
         self.payload_gone = False
         self.teardown_at: float | None = None  # when the first stop of the ranks began
+        self.held_starter: warm.Starter | None = None
 
     # -- the whole call ----------------------------------------------------------------
 
@@ -152,6 +153,8 @@ class CallLoop:
             self.router.close()
             self.selector.close()
             os.close(lifeline_w)  # last: ranks die with the lifeline if anything above failed
+            if self.held_starter is not None:
+                warm.release(self.held_starter)
             for r in self.ranks:
                 if r.pidfd is not None:
                     os.close(r.pidfd)
@@ -191,6 +194,9 @@ class CallLoop:
             if starter is None and (self._deadline_passed() or self.stop_requested.is_set()):
                 return False
         if starter is not None:
+            # Not closed (a rebuild, %distributed restart) while its forks run this call.
+            warm.hold(starter)
+            self.held_starter = starter
             # Its exit reports wake the loop as soon as they come.
             self.selector.register(starter, selectors.EVENT_READ, ("starter", None))
         for rank, env in enumerate(envs):

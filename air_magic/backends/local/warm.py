@@ -159,6 +159,7 @@ class Starter:
         self.ready = False
         self.broken = False
         self.exits: dict[int, int] = {}
+        self.users = 0  # calls whose ranks it forked and which are still running (hold/release)
         self._lock = threading.Lock()
 
     def fileno(self) -> int:
@@ -291,11 +292,11 @@ def get_starter(
         return None
     with _lock:
         if _starter is not None and (not _starter.alive() or _starter.fingerprint != fp):
-            _starter.close()
+            _retire(_starter)
             _starter = None
         if _starter is not None and _starter.startup_env != wanted:
             _say_rebuild(_starter.startup_env, wanted)
-            _starter.close()
+            _retire(_starter)
             _starter = None
         if _starter is None:
             try:
@@ -381,7 +382,7 @@ def at_exit() -> None:
     """At interpreter exit: calls still running (in daemon threads) are stopping; the starter goes."""
     global _exiting
     _exiting = True  # a call still running in a daemon thread is being stopped, not failing
-    restart()
+    restart(force=True)
 
 
 def process_exiting() -> bool:
@@ -389,14 +390,54 @@ def process_exiting() -> bool:
     return _exiting
 
 
-def restart() -> None:
-    """Stop the starter; the next call starts a fresh one (after installing packages, say)."""
+def restart(force: bool = False) -> None:
+    """Stop the starter; the next call starts a fresh one (after installing packages, say).
+
+    A starter whose forks still run a call (a background run) is stopped when that call
+    ends, unless ``force`` (the process is exiting: everything goes now).
+    """
     global _starter
     with _lock:
         _stuck.clear()
-        if _starter is not None:
-            _starter.close()
-            _starter = None
+        if force:
+            for old in _retired:
+                old.close()
+            _retired.clear()
+            if _starter is not None:
+                _starter.close()
+        elif _starter is not None:
+            _retire(_starter)
+        _starter = None
+
+
+_retired: list[Starter] = []  # replaced while a call still ran on its forks; closed by release()
+
+
+def _retire(starter: Starter) -> None:
+    """Close a starter that is being replaced, or, while its forks run a call, once they are done.
+
+    Closing a starter kills what it forked: a background run's ranks must not go with it.
+    Called with ``_lock`` held.
+    """
+    if starter.users > 0 and starter.alive():
+        _retired.append(starter)
+    else:
+        starter.close()
+
+
+def hold(starter: Starter) -> None:
+    """A call is about to fork ranks from ``starter``: it is not closed before :func:`release`."""
+    with _lock:
+        starter.users += 1
+
+
+def release(starter: Starter) -> None:
+    """The call that held ``starter`` is over (every rank reaped); a retired starter goes now."""
+    with _lock:
+        starter.users -= 1
+        if starter.users <= 0 and starter in _retired:
+            _retired.remove(starter)
+            starter.close()
 
 
 def starter_pid() -> int | None:

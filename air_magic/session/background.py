@@ -1,0 +1,270 @@
+"""Background runs: a call that hands back a :class:`RunHandle` at once while its ranks run.
+
+``fn.distributed_async(...)`` and ``%%distributed --background`` come here with a
+call that ``session/call.prepare_call`` has already checked and packed (a mistake
+raised on the caller's thread, before any handle existed)::
+
+    start_background(prepared)
+      1. the display is built and shown now, on the caller's thread: the tabs sit in the
+         cell that started the run (a frontend shows nothing sent to a cell after it
+         ended; later changes are widget state, which reaches the tabs wherever they are)
+      2. a daemon thread runs the call in a copy of the caller's context: ipykernel >= 7
+         keeps "which cell is this output for" in context variables, so anything the
+         call prints goes to the cell that started it, not to whichever cell runs now
+      3. the handle: status, done(), result(timeout), cancel(), logs(rank), stacks();
+         shown in a notebook as a live status line
+    cancel_all()   at interpreter exit (kernel shutdown or restart), from session/call.py:
+                   every background run stops as an interrupt would stop it, its MLflow
+                   run ends KILLED, and no rank outlives the kernel
+
+The thread is a daemon: the interpreter does not wait for it at exit (a non-daemon
+thread would keep a kernel's shutdown waiting for the training to finish).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import html
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from air_magic import paths
+from air_magic.display.widgets import WidgetDisplay, widgets_available
+from air_magic.launch.request import RunResult
+from air_magic.launch.stacks import format_stacks
+from air_magic.protocol.events import Consumer, Event, RankExited, RunFinished, RunStarted, Tick
+
+CANCEL_WAIT_S = 10.0  # cancel(): every rank is stopped within the backend's grace; this bounds the wait
+AT_EXIT_WAIT_S = 10.0  # at exit, for all background runs together
+_STATUS_EVERY_S = 0.5  # the live status line is redrawn at most this often
+
+_active: set[RunHandle] = set()
+_active_lock = threading.Lock()
+
+
+class StackDump(dict[int, str]):
+    """Each rank's thread stacks (rank -> text as the tool wrote it); printed, the user's frames."""
+
+    def __str__(self) -> str:
+        return format_stacks(self) if self else "(no rank is running)"
+
+    def __repr__(self) -> str:
+        return str(self)
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(str(self))
+
+
+class RunHandle:
+    """A call running in the background. ``status``: 'starting', 'running', 'succeeded',
+    'failed', 'timeout' or 'cancelled'."""
+
+    def __init__(self, prepared: Any, on_result: Callable[[RunResult], Any] | None = None) -> None:
+        self.name: str = prepared.name
+        self.world_size: int = prepared.plan.world_size
+        self._prepared = prepared
+        self._on_result = on_result
+        self._finished = threading.Event()
+        self._result: RunResult | None = None
+        self._error: BaseException | None = None  # the call itself failed (not a rank)
+        self._value: Any = None
+        self._value_taken = False
+        self._cancelled = False
+        self._status = "starting"
+        self._started = time.monotonic()
+        self._elapsed: float | None = None
+        self.log_dir: str | None = None
+        self.run_id: str | None = None
+        self.rank_states: dict[int, str] = {}
+        self._status_html: Any = None  # the live status line, once displayed in a notebook
+        self._last_drawn = 0.0
+        self._thread: threading.Thread | None = None
+
+    # -- what the user asks ---------------------------------------------------------------
+
+    @property
+    def status(self) -> str:
+        return self._status
+
+    def done(self) -> bool:
+        """True once the call has ended (every rank gone), however it ended."""
+        return self._finished.is_set()
+
+    def result(self, timeout: float | None = None) -> Any:
+        """Wait for the end (at most ``timeout`` seconds); return what the call returns, or raise
+        its error (the failing rank's own exception, as a foreground call would)."""
+        if not self._finished.wait(timeout):
+            raise TimeoutError(
+                f"{self.name} is still running after {timeout:g} s (status: {self._status}); "
+                "result() again waits longer, cancel() stops it"
+            )
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        if self._on_result is None:
+            return self._result.unwrap()
+        if not self._value_taken:  # once: a %%distributed cell brings its names back here
+            self._value = self._on_result(self._result)
+            self._value_taken = True
+        return self._value
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """The error :meth:`result` would raise (None on success), after waiting like it."""
+        if not self._finished.wait(timeout):
+            raise TimeoutError(f"{self.name} is still running after {timeout:g} s")
+        if self._error is not None:
+            return self._error
+        assert self._result is not None
+        return self._result.error
+
+    def cancel(self, wait: bool = True) -> bool:
+        """Stop every rank (as Ctrl-C stops a foreground call); True once the call has ended.
+
+        With ``wait`` (default) returns when every rank is gone (a few seconds at most)."""
+        if not self._finished.is_set():
+            self._cancelled = True
+            self._prepared.backend.stop()
+        if wait:
+            self._finished.wait(CANCEL_WAIT_S)
+        return self._finished.is_set()
+
+    def logs(self, rank: int = 0, lines: int | None = None) -> str:
+        """What rank ``rank`` has printed so far (its log file; the last ``lines`` lines if given)."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is not in {self.name} (ranks 0 to {self.world_size - 1})")
+        if self.log_dir is None:
+            return ""
+        try:
+            with open(paths.rank_log(self.log_dir, rank), errors="replace") as f:
+                text = f.read()
+        except FileNotFoundError:
+            return ""
+        if lines is not None:
+            text = "".join(text.splitlines(keepends=True)[-lines:])
+        return text
+
+    def stacks(self) -> StackDump:
+        """Every thread's Python stack in every running rank (py-spy, else a signal; see
+        ``launch/stacks.py``). Printed, it shows the user's frames; the full dumps are also
+        appended to ``stacks.txt`` in the call's log folder."""
+        return StackDump(self._prepared.backend.stacks())
+
+    # -- how it shows ---------------------------------------------------------------------
+
+    def __repr__(self) -> str:
+        took = self._elapsed if self._elapsed is not None else time.monotonic() - self._started
+        where = f"; logs: {self.log_dir}" if self.log_dir else ""
+        return f"<RunHandle {self.name}: {self._status}, {self.world_size} rank(s), {took:.1f} s{where}>"
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+
+        if not widgets_available():
+            print(repr(self))
+            return
+        import ipywidgets as w
+
+        if self._status_html is None:
+            self._status_html = w.HTML(value=self._status_line())
+        display(self._status_html)
+
+    def _status_line(self) -> str:
+        took = self._elapsed if self._elapsed is not None else time.monotonic() - self._started
+        ranks = ", ".join(f"{r}: {s}" for r, s in sorted(self.rank_states.items()))
+        return (
+            f"<code>{html.escape(self.name)}</code> in the background: <b>{html.escape(self._status)}</b>"
+            f" · {took:.1f} s" + (f" · {html.escape(ranks)}" if ranks else "")
+        )
+
+    def _redraw(self, force: bool = False) -> None:
+        widget = self._status_html
+        now = time.monotonic()
+        if widget is None or (not force and now - self._last_drawn < _STATUS_EVERY_S):
+            return
+        self._last_drawn = now
+        widget.value = self._status_line()
+
+    # -- the call's events (the handle is one of its consumers) ------------------------------
+
+    def handle(self, event: Event) -> None:
+        if isinstance(event, RunStarted):
+            self.log_dir, self.run_id = event.log_dir, event.run_id
+            self._status = "running"
+            self._redraw(force=True)
+        elif isinstance(event, RankExited):
+            self.rank_states[event.rank] = event.state.value
+            self._redraw()
+        elif isinstance(event, Tick):
+            self._redraw()
+        elif isinstance(event, RunFinished):
+            self._elapsed = event.elapsed
+
+    # -- the thread -------------------------------------------------------------------------
+
+    def _run(self, displays: Sequence[Consumer], consumers: Sequence[Consumer]) -> None:
+        try:
+            self._result = self._prepared.run(displays, [*consumers, self])
+            outcome = self._result.outcome
+        except BaseException as exc:  # noqa: BLE001 - handed to result(); nothing is lost
+            self._error, outcome = exc, "failed"
+        finally:
+            with _active_lock:
+                _active.discard(self)
+        if outcome == "interrupted":
+            outcome = "cancelled"
+        self._status = outcome
+        if self._elapsed is None:
+            self._elapsed = time.monotonic() - self._started
+        self._finished.set()
+        self._redraw(force=True)
+
+
+def start_background(
+    prepared: Any,
+    *,
+    on_result: Callable[[RunResult], Any] | None = None,
+    consumers: Sequence[Consumer] = (),
+) -> RunHandle:
+    """Start a prepared call (``session/call.prepare_call``) on a thread; its handle, at once."""
+    handle = RunHandle(prepared, on_result)
+    displays = prepared.displays()
+    for display in displays:
+        if isinstance(display, WidgetDisplay):
+            display.show(prepared.plan.world_size, prepared.name)
+    with _active_lock:
+        _active.add(handle)
+    context = contextvars.copy_context()
+    thread = threading.Thread(
+        target=context.run,
+        args=(handle._run, displays, consumers),
+        name=f"air_magic-background-{prepared.name}",
+        daemon=True,
+    )
+    handle._thread = thread
+    try:
+        thread.start()
+    except BaseException:
+        with _active_lock:
+            _active.discard(handle)
+        prepared.abandon()
+        raise
+    return handle
+
+
+def running() -> list[RunHandle]:
+    """The background runs of this process that have not ended yet, oldest first."""
+    with _active_lock:
+        return sorted(_active, key=lambda h: h._started)
+
+
+def cancel_all(wait_s: float = AT_EXIT_WAIT_S) -> None:
+    """Stop every background run (interpreter exit: a kernel shut down or restarted with runs going)."""
+    handles = running()
+    for handle in handles:
+        handle._cancelled = True
+        handle._prepared.backend.stop()
+    end = time.monotonic() + wait_s
+    for handle in handles:
+        handle._finished.wait(max(0.0, end - time.monotonic()))
