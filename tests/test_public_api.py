@@ -20,6 +20,7 @@ PUBLIC = [
     "PayloadError",
     "RankFailedError",
     "RemoteTraceback",
+    "RunHandle",
     "RunInfo",
     "__version__",
     "distributed",

@@ -27,7 +27,7 @@ from air_magic.notebook import magics
 from air_magic.session import call as session
 
 LEGACY = {"gpus", "gpu_type"}
-MAGIC_ONLY = {"--push", "--pull", "--no-pull", "--cold"}
+MAGIC_ONLY = {"--push", "--pull", "--no-pull", "--cold", "--background"}
 SEED_POSITIONAL = ["num_accelerators", "accelerator_type", "timeout"]
 
 # Every setting with a value other than its default, as a Python keyword and as an option.
@@ -43,12 +43,13 @@ EVERY_SETTING = (
         "tracking": False,
         "warm_start": False,
         "cluster": "ray=127.0.0.1:6379",
+        "share_gpus": True,
         "experiment": "exp",
         "run_name": "run-1",
     },
     "-n 3 --accelerator-type GPU_2xH200 --timeout 12.5 --display text --env A=1 --env B=x=y "
     "--log-dir /tmp/air_magic-schema-logs --max-payload-bytes 1024 --no-tracking --no-warm-start "
-    "--cluster ray=127.0.0.1:6379 --experiment exp --run-name run-1",
+    "--cluster ray=127.0.0.1:6379 --share-gpus --experiment exp --run-name run-1",
 )
 
 
@@ -122,7 +123,7 @@ def test_the_magics_options_are_the_schema_and_its_own():
     assert shared <= magic
     assert magic - shared == MAGIC_ONLY
     dests = {a.dest for a in magics.DistributedMagics.distributed.parser._actions}
-    assert dests == set(SETTINGS) | {"push", "pull", "no_pull"}  # --cold sets warm_start
+    assert dests == set(SETTINGS) | {"push", "pull", "no_pull", "background"}  # --cold sets warm_start
 
 
 def test_flags_are_spelled_like_the_keywords():

@@ -34,7 +34,7 @@ from air_magic import paths
 from air_magic.display.widgets import WidgetDisplay, widgets_available
 from air_magic.launch.request import RunResult
 from air_magic.launch.stacks import format_stacks
-from air_magic.protocol.events import Consumer, Event, RankExited, RunFinished, RunStarted, Tick
+from air_magic.protocol.events import Consumer, Event, RankExited, RankStarted, RunFinished, RunStarted, Tick
 
 CANCEL_WAIT_S = 10.0  # cancel(): every rank is stopped within the backend's grace; this bounds the wait
 AT_EXIT_WAIT_S = 10.0  # at exit, for all background runs together
@@ -78,6 +78,7 @@ class RunHandle:
         self.log_dir: str | None = None
         self.run_id: str | None = None
         self.rank_states: dict[int, str] = {}
+        self.rank_pids: dict[int, int] = {}  # rank -> pid, as each rank starts
         self._status_html: Any = None  # the live status line, once displayed in a notebook
         self._last_drawn = 0.0
         self._thread: threading.Thread | None = None
@@ -193,6 +194,9 @@ class RunHandle:
             self.log_dir, self.run_id = event.log_dir, event.run_id
             self._status = "running"
             self._redraw(force=True)
+        elif isinstance(event, RankStarted):
+            self.rank_pids[event.rank] = event.pid
+            self.rank_states[event.rank] = "running"
         elif isinstance(event, RankExited):
             self.rank_states[event.rank] = event.state.value
             self._redraw()
