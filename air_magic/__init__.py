@@ -37,6 +37,8 @@ _LAZY = {
     "distributed": "air_magic.decorator",
     "RunInfo": "air_magic.session.history",
     "RunHandle": "air_magic.session.background",
+    "runs": "air_magic.session.detached",
+    "attach": "air_magic.session.detached",
     "last_run": "air_magic.session.history",
     "restart_warm_start": "air_magic.session.call",
     "ray_init": "air_magic.backends.ray.cluster",
@@ -50,6 +52,7 @@ if TYPE_CHECKING:
     from air_magic.launch.accelerators import AcceleratorType
     from air_magic.session.background import RunHandle
     from air_magic.session.call import restart_warm_start
+    from air_magic.session.detached import attach, runs
     from air_magic.session.history import RunInfo, last_run
     from air_magic.worker.torch_helpers import init_process_group
 
@@ -100,6 +103,7 @@ __all__ = [
     "RunHandle",
     "RunInfo",
     "__version__",
+    "attach",
     "distributed",
     "init_process_group",
     "last_run",
@@ -107,5 +111,6 @@ __all__ = [
     "ray_init",
     "ray_launch",
     "restart_warm_start",
+    "runs",
     "unload_ipython_extension",
 ]

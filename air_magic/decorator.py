@@ -18,8 +18,8 @@ from air_magic.errors import ConfigurationError, DirectCallError
 from air_magic.launch.accelerators import AcceleratorType
 from air_magic.launch.payload import remember_module_file
 from air_magic.launch.settings import _UNSET, LaunchSettings, make_settings
-from air_magic.session.background import RunHandle, start_background
-from air_magic.session.call import prepare_call, run_call
+from air_magic.session.background import RunHandle
+from air_magic.session.call import prepare_call, run_call, start_async
 from air_magic.session.ray_driver import run_as_driver
 
 R = TypeVar("R")
@@ -73,10 +73,11 @@ class DistributedFunction(Generic[R]):
         ``result(timeout)`` (each rank's result, or the first failing rank's error), ``done()``,
         ``cancel()``, ``status``, ``logs(rank)`` and ``stacks()``. Every check a foreground call
         makes (arguments, settings, payload, GPUs in use) is made here, before it returns.
+        With ``detach=True`` the ranks run under a supervisor that outlives this process.
         """
         bound = self._signature.bind(*args, **kwargs)
         name = getattr(self.func, "__qualname__", "function")
-        return start_background(prepare_call(name, self.func, bound, self.settings))
+        return start_async(prepare_call(name, self.func, bound, self.settings))
 
 
 @overload
@@ -101,6 +102,7 @@ def distributed(
     warm_start: bool = ...,
     cluster: str | None = None,
     share_gpus: bool = ...,
+    detach: bool = ...,
 ) -> Callable[[Callable[..., R]], DistributedFunction[R]]: ...
 
 
@@ -124,6 +126,7 @@ def distributed(
     warm_start: Any = _UNSET,
     cluster: Any = None,
     share_gpus: Any = _UNSET,
+    detach: Any = _UNSET,
 ) -> Any:
     """Decorate a training function to run once per GPU (or CPU rank) via ``fn.distributed(...)``.
 
@@ -151,6 +154,8 @@ def distributed(
       cluster; 'ray=ADDRESS' names the cluster). Default ``None``: this machine.
     - ``share_gpus``: run even on GPUs that a background run of this process is using
       (both then share their memory and time). Default False.
+    - ``detach``: run the ranks under a small supervisor process that outlives this kernel
+      (or terminal): air_magic.attach() re-opens the run from any kernel. Default False.
     - ``experiment``: the MLflow experiment. Default: MLflow's own, else the notebook's
       or script's name.
     - ``run_name``: the MLflow run's name. Default: MLflow's.
@@ -174,6 +179,7 @@ def distributed(
         warm_start=warm_start,
         cluster=cluster,
         share_gpus=share_gpus,
+        detach=detach,
     )
 
     def decorate(func: Callable[..., R]) -> DistributedFunction[R]:

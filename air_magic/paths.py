@@ -19,6 +19,7 @@ MLFLOW_DB_LOCK = "mlflow.db.lock"  # flock: one process at a time opens (and mig
 MLFLOW_ARTIFACTS = "artifacts"
 MLFLOW_UI_LOG = "ui.log"
 MLFLOW_SERVED_ARTIFACTS = "served-artifacts"
+DETACHED_DIR = "detached"  # state_dir(DETACHED_DIR): one folder per detached run (session/detached.py)
 RAY_DIR = "ray"  # state_dir(RAY_DIR): the local Ray cluster's token and logs
 RAY_TOKEN = "auth_token"  # its token file (0600)
 

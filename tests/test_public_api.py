@@ -23,6 +23,7 @@ PUBLIC = [
     "RunHandle",
     "RunInfo",
     "__version__",
+    "attach",
     "distributed",
     "init_process_group",
     "last_run",
@@ -30,6 +31,7 @@ PUBLIC = [
     "ray_init",
     "ray_launch",
     "restart_warm_start",
+    "runs",
     "unload_ipython_extension",
 ]
 

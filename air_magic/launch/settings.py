@@ -308,6 +308,17 @@ class LaunchSettings:
             )
         ),
     )
+    detach: bool = field(
+        default=False,
+        metadata=_about(
+            Setting(
+                help="run the ranks under a small supervisor process that outlives this kernel "
+                "(or terminal): air_magic.attach() re-opens the run from any kernel",
+                check=functools.partial(_check_bool, "detach"),
+                switch=True,
+            )
+        ),
+    )
     experiment: str | None = field(
         default=None,
         metadata=_about(
@@ -360,6 +371,11 @@ def make_settings(base: Mapping[str, Any] | None = None, **given: Any) -> Launch
             f"unknown setting(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(SETTINGS))}"
         )
     checked = {name: s.check(raw.get(name, DEFAULTS[name])) for name, s in SETTINGS.items()}
+    if checked["detach"] and checked["cluster"] is not None:
+        raise ConfigurationError(
+            "detach=True runs on this machine only (its supervisor is a local process); "
+            "leave out either detach or cluster"
+        )
     return LaunchSettings(**checked, raw=raw)
 
 

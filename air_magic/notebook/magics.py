@@ -49,7 +49,7 @@ from air_magic.launch.accelerators import describe, detect_gpus
 from air_magic.launch.settings import LaunchSettings, argument_specs, make_settings, settings_from_args
 from air_magic.notebook.cell_analysis import names_assigned, names_deleted, names_read, star_imports
 from air_magic.protocol import serialization
-from air_magic.session import background, history
+from air_magic.session import background, detached, history
 from air_magic.session import call as session
 from air_magic.worker import cell_runner
 
@@ -146,7 +146,7 @@ class DistributedMagics(Magics):
             )
             # The names come back when handle.result() is called, on the notebook's own thread:
             # never into the namespace of whatever cell happens to run when the ranks finish.
-            return background.start_background(prepared, on_result=lambda result: bring_back(result.unwrap()))
+            return session.start_async(prepared, on_result=lambda result: bring_back(result.unwrap()))
         return bring_back(
             session.run_call(name, cell_runner.run_cell, bound, settings, kind="cell", source=cell).unwrap()
         )
@@ -169,6 +169,10 @@ class DistributedMagics(Magics):
             session.restart_warm_start()
             print("air_magic: the warm starter was stopped; the next call starts a fresh one")
             return None
+        if command == "runs":
+            return _runs()
+        if command == "attach":
+            return _attach(words[1:])
         if command == "stack":
             return _stack(words[1:])
         if command == "cancel":
@@ -185,6 +189,8 @@ _HELP = """%distributed status        the last run: outcome, time, each rank's s
 %distributed logs [RANK]   where the last run's logs are, or the end of one rank's log
 %distributed stack [RANK]  every thread's stack in each rank of the running background run
 %distributed cancel        stop the newest running background run (every rank)
+%distributed runs          this user's detached runs on this machine, from any kernel
+%distributed attach [RUN]  re-open a detached run (default: the newest running): output so far, then live
 %distributed settings      what this machine has, where logs go
 %distributed restart       rebuild the warm starter (it also rebuilds itself after package changes)
 %distributed mlflow-ui     start an MLflow UI on 127.0.0.1 over the local store; runs link to it
@@ -383,6 +389,21 @@ def _stack(args: list[str]) -> Any:
     if handle.log_dir:
         print(f"(every frame and thread: {handle.log_dir}/stacks.txt)")
     return None
+
+
+def _runs() -> None:
+    listed = detached.runs()
+    if not listed:
+        print("air_magic: no detached run on this machine (detach=True / --detach starts one)")
+    for run in listed:
+        print(run)
+
+
+def _attach(args: list[str]) -> Any:
+    try:
+        return detached.attach(args[0] if args else None)
+    except ConfigurationError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _cancel() -> None:

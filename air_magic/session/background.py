@@ -61,10 +61,19 @@ class RunHandle:
     """A call running in the background. ``status``: 'starting', 'running', 'succeeded',
     'failed', 'timeout' or 'cancelled'."""
 
-    def __init__(self, prepared: Any, on_result: Callable[[RunResult], Any] | None = None) -> None:
-        self.name: str = prepared.name
-        self.world_size: int = prepared.plan.world_size
-        self._prepared = prepared
+    def __init__(
+        self,
+        name: str,
+        world_size: int,
+        *,
+        stop: Callable[[], None],
+        stacks: Callable[[], dict[int, str]],
+        on_result: Callable[[RunResult], Any] | None = None,
+    ) -> None:
+        self.name = name
+        self.world_size = world_size
+        self._stop = stop  # how the run is stopped: its backend's stop(), or a signal to a supervisor
+        self._take_stacks = stacks
         self._on_result = on_result
         self._finished = threading.Event()
         self._result: RunResult | None = None
@@ -111,6 +120,14 @@ class RunHandle:
             self._value_taken = True
         return self._value
 
+    def run_result(self) -> RunResult:
+        """The ended call as a :class:`RunResult` (its outcome, values or error)."""
+        self._finished.wait()
+        if self._error is not None:
+            return RunResult(self.run_id or "", self.log_dir or "", "failed", error=self._error)
+        assert self._result is not None
+        return self._result
+
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The error :meth:`result` would raise (None on success), after waiting like it."""
         if not self._finished.wait(timeout):
@@ -126,7 +143,7 @@ class RunHandle:
         With ``wait`` (default) returns when every rank is gone (a few seconds at most)."""
         if not self._finished.is_set():
             self._cancelled = True
-            self._prepared.backend.stop()
+            self._stop()
         if wait:
             self._finished.wait(CANCEL_WAIT_S)
         return self._finished.is_set()
@@ -150,7 +167,7 @@ class RunHandle:
         """Every thread's Python stack in every running rank (py-spy, else a signal; see
         ``launch/stacks.py``). Printed, it shows the user's frames; the full dumps are also
         appended to ``stacks.txt`` in the call's log folder."""
-        return StackDump(self._prepared.backend.stacks())
+        return StackDump(self._take_stacks())
 
     # -- how it shows ---------------------------------------------------------------------
 
@@ -205,20 +222,13 @@ class RunHandle:
         elif isinstance(event, RunFinished):
             self._elapsed = event.elapsed
 
-    # -- the thread -------------------------------------------------------------------------
+    # -- the end ----------------------------------------------------------------------------
 
-    def _run(self, displays: Sequence[Consumer], consumers: Sequence[Consumer]) -> None:
-        try:
-            self._result = self._prepared.run(displays, [*consumers, self])
-            outcome = self._result.outcome
-        except BaseException as exc:  # noqa: BLE001 - handed to result(); nothing is lost
-            self._error, outcome = exc, "failed"
-        finally:
-            with _active_lock:
-                _active.discard(self)
-        if outcome == "interrupted":
-            outcome = "cancelled"
-        self._status = outcome
+    def _finish(self, result: RunResult | None, error: BaseException | None = None) -> None:
+        """The call has ended with ``result`` (or, when the call itself broke, ``error``)."""
+        self._result, self._error = result, error
+        outcome = result.outcome if result is not None else "failed"
+        self._status = "cancelled" if outcome == "interrupted" else outcome
         if self._elapsed is None:
             self._elapsed = time.monotonic() - self._started
         self._finished.set()
@@ -232,29 +242,50 @@ def start_background(
     consumers: Sequence[Consumer] = (),
 ) -> RunHandle:
     """Start a prepared call (``session/call.prepare_call``) on a thread; its handle, at once."""
-    handle = RunHandle(prepared, on_result)
-    displays = prepared.displays()
-    for display in displays:
-        if isinstance(display, WidgetDisplay):
-            display.show(prepared.plan.world_size, prepared.name)
+    backend = prepared.backend
+    handle = RunHandle(
+        prepared.name, prepared.plan.world_size, stop=backend.stop, stacks=backend.stacks, on_result=on_result
+    )
+    displays = show_displays(prepared.displays(), prepared.plan.world_size, prepared.name)
+
+    def run() -> None:
+        result, error = None, None
+        try:
+            result = prepared.run(displays, [*consumers, handle])
+        except BaseException as exc:  # noqa: BLE001 - handed to result(); nothing is lost
+            error = exc
+        finally:
+            with _active_lock:
+                _active.discard(handle)
+        handle._finish(result, error)
+
     with _active_lock:
         _active.add(handle)
-    context = contextvars.copy_context()
-    thread = threading.Thread(
-        target=context.run,
-        args=(handle._run, displays, consumers),
-        name=f"air_magic-background-{prepared.name}",
-        daemon=True,
-    )
-    handle._thread = thread
     try:
-        thread.start()
+        start_thread(run, f"air_magic-background-{prepared.name}")
     except BaseException:
         with _active_lock:
             _active.discard(handle)
         prepared.abandon()
         raise
     return handle
+
+
+def show_displays(displays: list[Consumer], world_size: int, name: str) -> list[Consumer]:
+    """Put each display's view in the cell now, on the caller's thread (see the module's docstring)."""
+    for display in displays:
+        if isinstance(display, WidgetDisplay):
+            display.show(world_size, name)
+    return displays
+
+
+def start_thread(target: Callable[[], None], name: str) -> threading.Thread:
+    """A daemon thread running ``target`` in a copy of the caller's context (its output goes to
+    the caller's cell: ipykernel >= 7 keeps that in context variables)."""
+    context = contextvars.copy_context()
+    thread = threading.Thread(target=context.run, args=(target,), name=name, daemon=True)
+    thread.start()
+    return thread
 
 
 def running() -> list[RunHandle]:
@@ -268,7 +299,7 @@ def cancel_all(wait_s: float = AT_EXIT_WAIT_S) -> None:
     handles = running()
     for handle in handles:
         handle._cancelled = True
-        handle._prepared.backend.stop()
+        handle._stop()
     end = time.monotonic() + wait_s
     for handle in handles:
         handle._finished.wait(max(0.0, end - time.monotonic()))

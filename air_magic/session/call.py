@@ -66,7 +66,37 @@ def run_call(
     ``settings.display`` names (the command line's JSON lines, say).
     """
     prepared = prepare_call(name, func, bound, settings, kind=kind, source=source, backend=backend)
+    if settings.detach:
+        return _follow_detached(prepared, consumers)
     return prepared.run(prepared.displays(), consumers)
+
+
+def start_async(
+    prepared: PreparedCall,
+    on_result: Callable[[RunResult], Any] | None = None,
+    consumers: Sequence[Consumer] = (),
+) -> Any:
+    """Start a prepared call and return its handle at once: in a thread of this process, or under
+    a supervisor of its own (``detach=True``)."""
+    from air_magic.session import background, detached
+
+    if prepared.settings.detach:
+        return detached.start_detached(prepared, on_result, consumers)
+    return background.start_background(prepared, on_result=on_result, consumers=consumers)
+
+
+def _follow_detached(prepared: PreparedCall, consumers: Sequence[Consumer]) -> RunResult:
+    """A foreground call with ``detach=True``: the supervisor runs it, this process watches it to the
+    end. Ctrl-C stops it (as it stops any foreground call); a kernel that dies leaves it running."""
+    from air_magic.session import detached
+
+    handle = detached.start_detached(prepared, None, consumers)
+    try:
+        handle.exception()  # waits for the end
+    except KeyboardInterrupt:
+        handle.cancel()
+        raise
+    return handle.run_result()
 
 
 def prepare_call(
@@ -92,9 +122,9 @@ def prepare_call(
     payload = build_payload(func, bound, settings.max_payload_bytes)
     # The last check, on the caller's thread: from here the GPUs are this call's until run() ends.
     claim = gpu_claims.claim(name, plan, settings.share_gpus)
-    run_start = None
+    run_start = facts = None
     if settings.tracking:
-        call = tracking.CallFacts(
+        facts = tracking.CallFacts(
             name=name,
             kind=kind,
             source=source if source is not None else _source_of(func),
@@ -104,9 +134,9 @@ def prepare_call(
             experiment=settings.experiment,
             run_name=settings.run_name,
         )
-        run_start = tracking.RunStart(call, log_root=settings.log_dir)
+        run_start = tracking.RunStart(facts, log_root=settings.log_dir)
         run_start.remember_active()
-    return PreparedCall(name, settings, backend, plan, payload, run_start, claim)
+    return PreparedCall(name, settings, backend, plan, payload, run_start, claim, facts)
 
 
 @dataclass
@@ -120,6 +150,9 @@ class PreparedCall:
     payload: bytes
     run_start: tracking.RunStart | None
     claim: int | None  # the GPUs this call holds (gpu_claims), released when run() ends
+    facts: tracking.CallFacts | None = (
+        None  # what its MLflow run records (a detached run's supervisor makes it)
+    )
 
     def displays(self) -> list[Consumer]:
         """The display that ``settings.display`` names (built on the caller's thread: a background

@@ -1,8 +1,10 @@
 """Which GPUs the running calls of this process hold, so that a second call on them is refused.
 
 Only a background run (``session/background.py``) lets a process start a call
-while another runs. Two trainings on one GPU compete for its memory and time:
-usually one fails out of memory minutes later, or both crawl. A call whose plan
+while another runs; a detached run (``session/detached.py``) holds its GPUs for
+every process of the user (its state file names them). Two trainings on one GPU
+compete for its memory and time: usually one fails out of memory minutes later,
+or both crawl. A call whose plan
 overlaps the GPUs of a running call is therefore refused before anything
 starts, with what to do, unless ``share_gpus=True``. CPU ranks claim nothing.
 """
@@ -40,6 +42,17 @@ def claim(name: str, plan: AcceleratorPlan, share: bool) -> int | None:
                         "cancel it (handle.cancel()), give this call other GPUs (num_accelerators=, "
                         "CUDA_VISIBLE_DEVICES), or pass share_gpus=True (--share-gpus) to run both "
                         "on them. Nothing was started."
+                    )
+        if not share:
+            from air_magic.session import detached  # other kernels' runs: their supervisors' state
+
+            for uuid, holder in detached.live_gpu_uuids().items():
+                if uuid in uuids:
+                    index = next(str(g.index) for g in plan.gpus if g.uuid == uuid)
+                    raise ConfigurationError(
+                        f"{name} would run on GPU {index}, which {holder} is using. Wait for it, "
+                        "cancel it (air_magic.attach(...).cancel()), give this call other GPUs, or pass "
+                        "share_gpus=True (--share-gpus) to run both on them. Nothing was started."
                     )
         token = next(_ids)
         _held[token] = (name, uuids, shown)

@@ -240,6 +240,11 @@ class RunStart:
         self._error: BaseException | None = None
         self._active: Any = _NOT_READ
 
+    @property
+    def tracked(self) -> TrackedRun | None:
+        """The call's run once it exists (None before, or when untracked)."""
+        return self._tracked
+
     def remember_active(self) -> None:
         """Read the caller's active MLflow run now, on the caller's thread (a background call waits
         for its run on another). Without mlflow imported there can be no active run."""

@@ -1,0 +1,421 @@
+"""Detached runs: ranks under a supervisor process that outlives the kernel; attach from any kernel.
+
+``detach=True`` (``--detach``) sends a prepared call (``session/call.prepare_call``)
+to a supervisor (``session/supervisor.py``) instead of running it in this
+process. Everything lives in one private folder per run,
+``~/.local/state/air_magic/detached/<id>/`` (0700, this user's alone; the root
+is checked like the log root)::
+
+    request.pkl    kernel -> supervisor: the call (deleted once read: the arguments in clear)
+    state.json     what the run is and how it stands (rewritten at each change)
+    events.jsonl   every event of the call (protocol/event_log.py): an attach replays it
+    result.pkl     every rank's value, or the error
+    supervisor.log the supervisor's own output
+
+:func:`start_detached` writes the request, starts the supervisor in a session of
+its own and follows the run like :func:`attach` does: a :class:`RunHandle` whose
+displays replay ``events.jsonl``. ``runs()`` lists every detached run of this
+user on this machine; ``attach(run)`` re-opens one: what was printed so far,
+then the stream, and the handle (result, cancel, stacks). Cancel is SIGTERM to
+the supervisor, which stops the ranks as an interrupt would. A kernel that goes
+away stops following; the run goes on. Nothing travels over a socket.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+
+from air_magic import paths, private_files
+from air_magic.display.widgets import make_consumers
+from air_magic.errors import ConfigurationError, LaunchError
+from air_magic.launch.accelerators import AcceleratorPlan
+from air_magic.launch.request import RunResult
+from air_magic.launch.stacks import take_stacks
+from air_magic.protocol import event_log, serialization, wire
+from air_magic.protocol.events import Event, RankStarted, RecordLink, RunFinished, RunStarted, Tick
+from air_magic.session.background import RunHandle, show_displays, start_thread
+
+REQUEST = "request.pkl"
+STATE = "state.json"
+EVENTS = "events.jsonl"
+RESULT = "result.pkl"
+SUPERVISOR_LOG = "supervisor.log"
+KEEP_ENDED = 50  # ended runs' folders kept (their events can be large; the logs stay in the log root)
+RESULT_WAIT_S = 60.0  # after the last event: the supervisor writes the result, then ends the MLflow run
+TICK_S = 0.2
+_LIVE = ("starting", "running")
+_ROOT_FIX = "Set XDG_STATE_HOME to a folder only you can write"
+
+
+@dataclass(frozen=True)
+class DetachedRequest:
+    """What the supervisor needs to run the call: the prepared call, without its backend."""
+
+    name: str
+    kind: str
+    settings_raw: dict[str, Any]
+    plan: AcceleratorPlan
+    payload: bytes
+    facts: Any  # tracking.CallFacts, or None when the call is not tracked
+    sys_path: list[str]
+    argv: list[str]
+
+
+@dataclass(frozen=True)
+class DetachedRun:
+    """One detached run, as ``runs()`` lists it."""
+
+    id: str
+    name: str
+    status: str  # starting, running, succeeded, failed, timeout, cancelled, or lost (its supervisor died)
+    world_size: int
+    started: float  # wall clock
+    log_dir: str | None
+    folder: str
+    pid: int | None
+    mlflow: str | None
+
+    def __str__(self) -> str:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started))
+        ranks = f"{self.world_size} rank(s)"
+        return f"{self.id}  {self.status:<9}  {ranks}  {when}  {self.name}  logs: {self.log_dir}"
+
+
+def root() -> str:
+    return private_files.private_root(
+        paths.state_dir(paths.DETACHED_DIR), "the detached runs' folder", _ROOT_FIX
+    )
+
+
+# -- starting ---------------------------------------------------------------------------
+
+
+def start_detached(prepared: Any, on_result: Any = None, consumers: Sequence[Any] = ()) -> RunHandle:
+    """Hand ``prepared`` to a new supervisor; follow it here. Returns at once."""
+    from air_magic.launch.request import new_run_id
+
+    run_id = new_run_id()
+    folder = os.path.join(root(), run_id)
+    os.mkdir(folder, 0o700)
+    _prune()
+    request = DetachedRequest(
+        name=prepared.name,
+        kind=prepared.facts.kind if prepared.facts is not None else "function",
+        settings_raw=dict(prepared.settings.raw),
+        plan=prepared.plan,
+        payload=prepared.payload,
+        facts=prepared.facts,
+        sys_path=list(sys.path),
+        argv=list(sys.argv) or [""],
+    )
+    wire.write_atomically(os.path.join(folder, REQUEST), serialization.dumps(request))
+    _write_state(
+        folder,
+        {
+            "id": run_id,
+            "name": prepared.name,
+            "status": "starting",
+            "started": time.time(),
+            "world_size": prepared.plan.world_size,
+            "kind": request.kind,
+            "gpus": [g.uuid for g in prepared.plan.gpus],
+        },
+    )
+    open(os.path.join(folder, EVENTS), "a").close()  # empty: a follower opens it at once
+    log = private_files.open_private(
+        os.path.join(folder, SUPERVISOR_LOG), os.O_WRONLY | os.O_APPEND | os.O_CREAT
+    )
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "air_magic.session.supervisor", folder],
+            env=_supervisor_env(),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,  # a kernel's death, a closed terminal, a SIGHUP: none reach it
+        )
+    except BaseException:
+        prepared.abandon()
+        raise
+    finally:
+        os.close(log)
+    _update_state(folder, pid=proc.pid, pid_started=psutil.Process(proc.pid).create_time())
+    # The supervisor's state.json now says which GPUs it holds, for every process: this one's claim goes.
+    prepared.abandon()
+    _reap_later(proc)
+    return _follow(folder, make_consumers(prepared.settings.display), on_result, consumers)
+
+
+def _supervisor_env() -> dict[str, str]:
+    """This process's environment, with the MLflow store it would use said explicitly (a store set
+    with mlflow.set_tracking_uri() lives in this process only)."""
+    env = dict(os.environ)
+    mlflow = sys.modules.get("mlflow")
+    if mlflow is not None and "MLFLOW_TRACKING_URI" not in env:
+        try:
+            from mlflow.tracking._tracking_service import utils as tracking_utils
+
+            if tracking_utils._tracking_uri is not None:  # set in code, not by the environment
+                env["MLFLOW_TRACKING_URI"] = str(tracking_utils._tracking_uri)
+        except Exception:  # noqa: BLE001 - MLflow's private detail moved: the default store then
+            pass
+    return env
+
+
+def _reap_later(proc: subprocess.Popen[bytes]) -> None:
+    """Wait for the supervisor in a daemon thread, so a kernel that stays up keeps no zombie."""
+    threading.Thread(target=proc.wait, name="air_magic-supervisor-reaper", daemon=True).start()
+
+
+# -- listing and attaching ----------------------------------------------------------------
+
+
+def runs() -> list[DetachedRun]:
+    """Every detached run of this user on this machine, newest first."""
+    found = []
+    base = root()
+    for entry in sorted(os.scandir(base), key=lambda e: e.name, reverse=True):
+        if entry.is_dir(follow_symlinks=False):
+            info = _read_run(entry.path)
+            if info is not None:
+                found.append(info)
+    return found
+
+
+def attach(run: str | DetachedRun | None = None, display: str = "auto") -> RunHandle:
+    """Re-open a detached run (default: the newest one still running): its output so far, then the
+    stream, in this cell; the handle's result() waits for the end, cancel() stops it."""
+    info = _find(run)
+    state = _read_state(info.folder) or {}
+    # A cell's ranks return their cell's outcome; another kernel gets each rank's last value (the
+    # names go back only to the kernel that ran the cell, when its handle's result() is called).
+    on_result = _cell_values if state.get("kind") == "cell" else None
+    return _follow(info.folder, make_consumers(display), on_result)
+
+
+def _cell_values(result: RunResult) -> list[Any]:
+    return [serialization.loads(o.value) if o.value is not None else None for o in result.unwrap()]
+
+
+def _find(run: str | DetachedRun | None) -> DetachedRun:
+    if isinstance(run, DetachedRun):
+        return run
+    listed = runs()
+    if run is None:
+        live = [r for r in listed if r.status in _LIVE]
+        if not live:
+            raise ConfigurationError("no detached run is running (air_magic.runs() lists them all)")
+        return live[0]
+    matches = [r for r in listed if r.id == run] or [r for r in listed if r.id.startswith(str(run))]
+    if len(matches) != 1:
+        known = ", ".join(r.id for r in listed[:5]) or "none"
+        what = "no" if not matches else "more than one"
+        raise ConfigurationError(f"{what} detached run matches {run!r} (the newest: {known})")
+    return matches[0]
+
+
+def _read_run(folder: str) -> DetachedRun | None:
+    state = _read_state(folder)
+    if state is None:
+        return None
+    status = state.get("status", "starting")
+    pid = state.get("pid")
+    if status in _LIVE and not _supervisor_alive(state):
+        status = "lost"
+    return DetachedRun(
+        id=state.get("id", os.path.basename(folder)),
+        name=state.get("name", "?"),
+        status=status,
+        world_size=int(state.get("world_size", 0)),
+        started=float(state.get("started", 0.0)),
+        log_dir=state.get("log_dir"),
+        folder=folder,
+        pid=pid,
+        mlflow=state.get("mlflow"),
+    )
+
+
+def _supervisor_alive(state: dict[str, Any]) -> bool:
+    pid, started = state.get("pid"), state.get("pid_started")
+    if pid is None:  # the kernel is starting it (or died doing so): young runs count as alive
+        return time.time() - float(state.get("started", 0.0)) < 30
+    try:
+        proc = psutil.Process(int(pid))
+        same = started is not None and abs(proc.create_time() - float(started)) < 1.0
+        return same and proc.status() != psutil.STATUS_ZOMBIE
+    except (psutil.Error, TypeError, ValueError):
+        return False
+
+
+def _follow(folder: str, displays: list[Any], on_result: Any, more: Sequence[Any] = ()) -> RunHandle:
+    """A handle on the run in ``folder``, fed by a thread that replays and follows its events."""
+    _check_ours(folder)
+    state = _read_state(folder) or {}
+    name, world = state.get("name", "?"), int(state.get("world_size", 1))
+    pids: dict[int, int] = {}
+    handle = RunHandle(
+        name,
+        world,
+        stop=lambda: _signal_supervisor(folder),
+        stacks=lambda: take_stacks(dict(pids), handle.log_dir) if handle.log_dir else {},
+        on_result=on_result,
+    )
+    handle.detached_id = state.get("id", os.path.basename(folder))  # type: ignore[attr-defined]
+    show_displays(displays, world, name)
+    consumers = [*displays, *more, handle]
+    stop = threading.Event()
+
+    def follow() -> None:
+        started = time.monotonic()
+        last_tick = 0.0
+        finished: RunFinished | None = None
+        for event in event_log.follow(os.path.join(folder, EVENTS), stop):
+            now = time.monotonic()
+            if event is not None:
+                if isinstance(event, RankStarted):
+                    pids[event.rank] = event.pid
+                elif isinstance(event, RunStarted):
+                    _show_record(displays, _read_state(folder) or {})
+                _emit(consumers, event)
+                if isinstance(event, RunFinished):
+                    finished = event
+                    break
+            if now - last_tick >= TICK_S:
+                last_tick = now
+                _emit(consumers, Tick(elapsed=now - started))
+                if event is None and not _supervisor_alive(_read_state(folder) or {}):
+                    break
+        handle._finish(*_outcome(folder, finished))
+
+    start_thread(follow, f"air_magic-follow-{name}")
+    return handle
+
+
+def _show_record(displays: list[Any], state: dict[str, Any]) -> None:
+    """The MLflow run the supervisor made (named in state.json before the first event) in each display."""
+    if state.get("mlflow_run_id"):
+        record = RecordLink(state["mlflow_run_id"], state.get("mlflow", ""), state.get("mlflow_url"))
+        for display in displays:
+            if hasattr(display, "set_record"):
+                display.set_record(record)
+
+
+def _emit(consumers: list[Any], event: Event) -> None:
+    for consumer in list(consumers):
+        try:
+            consumer.handle(event)
+        except Exception:  # noqa: BLE001 - a display must never stop the following
+            consumers.remove(consumer)
+
+
+def _outcome(folder: str, finished: RunFinished | None) -> tuple[RunResult | None, BaseException | None]:
+    """The run's result, once the supervisor has written it; or why there is none."""
+    path = os.path.join(folder, RESULT)
+    deadline = time.monotonic() + (RESULT_WAIT_S if finished is not None else 1.0)
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        if finished is not None and not _supervisor_alive(_read_state(folder) or {}):
+            break
+        time.sleep(0.05)
+    data = wire.read_bytes(path)
+    if data is None:
+        state = _read_state(folder) or {}
+        return None, LaunchError(
+            f"the supervisor of detached run {state.get('id', folder)} (pid {state.get('pid')}) ended "
+            f"without a result; its ranks ended with it (they die with their supervisor). "
+            f"Its log: {os.path.join(folder, SUPERVISOR_LOG)}"
+        )
+    result: RunResult = serialization.loads(data)
+    return result, None
+
+
+def _signal_supervisor(folder: str) -> None:
+    import signal
+
+    state = _read_state(folder) or {}
+    if _supervisor_alive(state) and state.get("pid"):
+        try:
+            os.kill(int(state["pid"]), signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+
+def _check_ours(folder: str) -> None:
+    try:
+        info = os.stat(folder, follow_symlinks=False)
+    except PermissionError:
+        raise ConfigurationError(f"detached run {folder} is not yours to attach to") from None
+    if info.st_uid != os.getuid():
+        raise ConfigurationError(f"detached run {folder} belongs to another user: refusing to attach")
+
+
+# -- state.json -----------------------------------------------------------------------------
+
+
+def _read_state(folder: str) -> dict[str, Any] | None:
+    try:
+        with open(os.path.join(folder, STATE)) as f:
+            state: dict[str, Any] = json.load(f)
+            return state
+    except (OSError, ValueError):
+        return None
+
+
+def _write_state(folder: str, state: dict[str, Any]) -> None:
+    wire.write_atomically(os.path.join(folder, STATE), json.dumps(state).encode())
+
+
+def _update_state(folder: str, **changes: Any) -> None:
+    state = _read_state(folder) or {}
+    state.update(changes)
+    _write_state(folder, state)
+
+
+def update_state(folder: str, **changes: Any) -> None:
+    """For the supervisor: change some fields of the run's state.json."""
+    _update_state(folder, **changes)
+
+
+def live_gpu_uuids() -> dict[str, str]:
+    """GPU uuid -> the detached run (of any kernel of this user) still running on it."""
+    held: dict[str, str] = {}
+    try:
+        listed = runs()
+    except (ConfigurationError, OSError):
+        return held
+    for run in listed:
+        if run.status in _LIVE:
+            for uuid in (_read_state(run.folder) or {}).get("gpus", []):
+                held[uuid] = f"detached run {run.id} ({run.name})"
+    return held
+
+
+def _prune() -> None:
+    """Keep the newest KEEP_ENDED ended runs' folders (a running one is never removed)."""
+    ended = [r for r in runs() if r.status not in _LIVE]
+    for run in ended[KEEP_ENDED:]:
+        shutil.rmtree(run.folder, ignore_errors=True)
+
+
+class RunStateWriter:
+    """The supervisor's consumer that keeps ``state.json`` current (log folder, ranks, outcome)."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def handle(self, event: Event) -> None:
+        if isinstance(event, RunStarted):
+            _update_state(self.folder, status="running", log_dir=event.log_dir, run_id=event.run_id)
+        elif isinstance(event, RunFinished):
+            outcome = "cancelled" if event.outcome == "interrupted" else event.outcome
+            _update_state(self.folder, status=outcome, elapsed=event.elapsed, error=event.error)

@@ -1,0 +1,99 @@
+"""A detached run's supervisor: one small process that runs one call for a kernel that may go away.
+
+``python -m air_magic.session.supervisor FOLDER``, started by ``session/detached.py``
+in a session of its own. It reads the call from ``FOLDER/request.pkl`` (and
+deletes it: the arguments in clear) and runs it as a kernel would, through the
+same ``PreparedCall.run``: fresh ranks (a warm starter belongs to its kernel),
+the call's log folder, its MLflow run with the batched metric writer, every
+event appended to ``events.jsonl`` and the state to ``state.json``. At the end
+it writes ``result.pkl`` (values or error) and ends the MLflow run with the
+outcome. SIGTERM or SIGINT (``cancel()`` from any attached handle) stops the
+ranks as an interrupt would; SIGHUP is ignored. If the supervisor is killed,
+its ranks die with it (their lifeline), and the next call of any kernel marks
+its MLflow run KILLED.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from typing import Any
+
+from air_magic.backends.local.backend import LocalBackend
+from air_magic.launch.request import RunResult
+from air_magic.launch.settings import make_settings
+from air_magic.protocol import event_log, serialization, wire
+from air_magic.protocol.events import Consumer
+from air_magic.session import detached
+from air_magic.session.call import PreparedCall
+from air_magic.tracking import run as tracking
+
+
+def main(folder: str) -> int:
+    request_path = os.path.join(folder, detached.REQUEST)
+    data = wire.read_bytes(request_path)
+    os.unlink(request_path)
+    assert data is not None, f"no request in {folder}"
+    request: detached.DetachedRequest = serialization.loads(data)
+    sys.path[:] = request.sys_path  # the caller's: its results may need its modules to load
+    sys.argv[:] = request.argv
+    settings = make_settings(request.settings_raw)
+    backend = LocalBackend(warm_start=False)
+    backend.prepare(settings)
+
+    def stop(signum: int, frame: Any) -> None:
+        backend.stop()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+    run_start = tracking.RunStart(request.facts, log_root=settings.log_dir) if request.facts else None
+    prepared = PreparedCall(request.name, settings, backend, request.plan, request.payload, run_start, None)
+    consumers: list[Consumer] = [
+        event_log.EventLogWriter(os.path.join(folder, detached.EVENTS)),
+        detached.RunStateWriter(folder),
+        _RecordInState(folder, run_start),
+    ]
+    try:
+        result = prepared.run([], consumers)
+    except BaseException as exc:  # noqa: BLE001 - handed to whoever attaches
+        result = RunResult("", "", "failed", error=exc)
+        detached.update_state(folder, status="failed", error=f"{type(exc).__name__}: {exc}")
+    _write_result(folder, result)
+    return 0
+
+
+class _RecordInState:
+    """Puts the call's MLflow run (which exists before the first event) in state.json for attaches."""
+
+    def __init__(self, folder: str, run_start: tracking.RunStart | None) -> None:
+        self._folder = folder
+        self._run_start = run_start
+
+    def handle(self, event: Any) -> None:
+        from air_magic.protocol.events import RunStarted
+
+        if isinstance(event, RunStarted) and self._run_start is not None:
+            tracked = self._run_start.tracked
+            if tracked is not None:  # it exists: PreparedCall.run waited for it before the ranks
+                link = tracked.link()
+                detached.update_state(
+                    self._folder, mlflow=link.description, mlflow_url=link.url, mlflow_run_id=link.run_id
+                )
+
+
+def _write_result(folder: str, result: RunResult) -> None:
+    try:
+        data = serialization.dumps(result)
+    except Exception as exc:  # noqa: BLE001 - a value that cannot be pickled again: say so
+        from air_magic.errors import PayloadError
+
+        error = PayloadError(f"the run ended ({result.outcome}) but its result could not be kept: {exc}")
+        data = serialization.dumps(RunResult(result.run_id, result.log_dir, "failed", error=error))
+    wire.write_atomically(os.path.join(folder, detached.RESULT), data)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
