@@ -42,6 +42,8 @@ def _private_dirs(tmp_path_factory: pytest.TempPathFactory):
     # MLflow: the embedded store in the session's folder; no telemetry file under $HOME.
     os.environ["AIR_MAGIC_MLFLOW_DIR"] = str(tmp_path_factory.mktemp("mlflow"))
     os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"
+    # Detached runs' folders (and anything else under the state folder) of the session.
+    os.environ["XDG_STATE_HOME"] = str(tmp_path_factory.mktemp("state"))
     tempfile.tempdir = str(runs)
     yield
     tempfile.tempdir = old_tmp

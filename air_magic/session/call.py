@@ -136,7 +136,7 @@ def prepare_call(
         )
         run_start = tracking.RunStart(facts, log_root=settings.log_dir)
         run_start.remember_active()
-    return PreparedCall(name, settings, backend, plan, payload, run_start, claim, facts)
+    return PreparedCall(name, settings, backend, plan, payload, run_start, claim, facts, kind)
 
 
 @dataclass
@@ -150,9 +150,9 @@ class PreparedCall:
     payload: bytes
     run_start: tracking.RunStart | None
     claim: int | None  # the GPUs this call holds (gpu_claims), released when run() ends
-    facts: tracking.CallFacts | None = (
-        None  # what its MLflow run records (a detached run's supervisor makes it)
-    )
+    # What its MLflow run records (a detached run's supervisor creates the run from it).
+    facts: tracking.CallFacts | None = None
+    kind: str = "function"  # 'function' or 'cell'; from the command line also 'script' or 'module'
 
     def displays(self) -> list[Consumer]:
         """The display that ``settings.display`` names (built on the caller's thread: a background

@@ -111,7 +111,7 @@ def start_detached(prepared: Any, on_result: Any = None, consumers: Sequence[Any
     _prune()
     request = DetachedRequest(
         name=prepared.name,
-        kind=prepared.facts.kind if prepared.facts is not None else "function",
+        kind=prepared.kind,
         settings_raw=dict(prepared.settings.raw),
         plan=prepared.plan,
         payload=prepared.payload,
@@ -132,7 +132,7 @@ def start_detached(prepared: Any, on_result: Any = None, consumers: Sequence[Any
             "gpus": [g.uuid for g in prepared.plan.gpus],
         },
     )
-    open(os.path.join(folder, EVENTS), "a").close()  # empty: a follower opens it at once
+    private_files.create_private_file(os.path.join(folder, EVENTS))  # empty: a follower opens it at once
     log = private_files.open_private(
         os.path.join(folder, SUPERVISOR_LOG), os.O_WRONLY | os.O_APPEND | os.O_CREAT
     )
