@@ -9,6 +9,8 @@ background run going must leave no rank and mark the run KILLED.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 
 import psutil
@@ -121,3 +123,55 @@ def test_shutting_the_kernel_down_stops_its_background_runs(tmp_path):
             time.sleep(0.05)
         assert mlflow_status(RunInfo("", "", 0, "", mlflow_run_id=run_id)) == "KILLED"
         kernel.km.shutdown_kernel = lambda now=False: None  # already down: close() has nothing to do
+
+
+@fault(
+    "the kernel is killed (SIGKILL) while a detached run runs",
+    "a new kernel attaches: every line printed before and after, the result; run FINISHED",
+)
+def test_a_detached_run_survives_its_kernel_and_a_new_kernel_attaches(tmp_path):
+    gate = tmp_path / "gate"
+    start = (
+        "%load_ext air_magic\nimport air_magic\n"
+        "@air_magic.distributed(num_accelerators=2, detach=True)\n"
+        "def waits(gate):\n"
+        "    import os, time\n"
+        "    print(f'rank {os.environ[\"RANK\"]} before the gate', flush=True)\n"
+        "    while not os.path.exists(gate):\n"
+        "        time.sleep(0.02)\n"
+        "    print(f'rank {os.environ[\"RANK\"]} after the gate', flush=True)\n"
+        "    return int(os.environ['RANK'])\n"
+        f"handle = waits.distributed_async({str(gate)!r})\n"
+        "print(handle.detached_id)\n"
+    )
+    with Kernel(cwd=tmp_path) as first:
+        run_id = _output(first, start).strip().splitlines()[-1]
+        deadline = time.monotonic() + 120
+        while "before the gate" not in _output(first, "print(handle.logs(0), handle.logs(1))").replace(
+            "rank 0 before", ""
+        ):
+            assert time.monotonic() < deadline, "rank 1 did not reach the gate"
+            time.sleep(0.2)
+        os.kill(first.pid, signal.SIGKILL)
+        first.km.shutdown_kernel = lambda now=False: None  # killed: close() has nothing to do
+    with Kernel(cwd=tmp_path) as second:
+        out = _output(
+            second,
+            "import air_magic, json, pathlib, ipywidgets\n"
+            "from ipywidgets.widgets.widget import _instances\n"
+            f"print([r.status for r in air_magic.runs() if r.id == {run_id!r}])\n"
+            f"handle = air_magic.attach({run_id!r})\n"
+            f"pathlib.Path({str(gate)!r}).touch()\n"
+            "print(handle.result(timeout=120), handle.status)\n"
+            "outs = [w for w in list(_instances.values()) if isinstance(w, ipywidgets.Output)]\n"
+            "print(json.dumps([''.join(o.get('text', '') for o in w.outputs) for w in outs]))\n"
+            "state = json.loads(pathlib.Path(air_magic.runs()[0].folder, 'state.json').read_text())\n"
+            "print(state['mlflow_run_id'])\n",
+        )
+    lines = out.strip().splitlines()
+    assert lines[0] == "['running']"
+    assert lines[1] == "[0, 1] succeeded"
+    texts = json.loads(lines[2])
+    for rank in (0, 1):  # the tabs of the new kernel: what was printed before it attached, then after
+        assert f"rank {rank} before the gate\nrank {rank} after the gate\n" in texts, texts
+    assert mlflow_status(RunInfo("", "", 0, "", mlflow_run_id=lines[3])) == "FINISHED"
