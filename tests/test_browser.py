@@ -9,6 +9,7 @@ Every wait is time-boxed; the page is driven with clicks and keys only.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -49,24 +50,19 @@ def _free_port() -> int:
 @pytest.fixture(params=[2, 8], ids=["2-ranks", "8-ranks"])
 def lab(request, tmp_path):
     ranks = request.param
+    with _jupyterlab(tmp_path, ["%load_ext air_magic", CELL.replace("RANKS", str(ranks))]) as url:
+        yield url, ranks
+
+
+@contextlib.contextmanager
+def _jupyterlab(tmp_path, cells):
+    """JupyterLab on 127.0.0.1 serving demo.ipynb made of ``cells``; yields the notebook's URL."""
     root = tmp_path / "root"
     root.mkdir()
     notebook = {
         "cells": [
-            {
-                "cell_type": "code",
-                "metadata": {},
-                "source": "%load_ext air_magic",
-                "outputs": [],
-                "execution_count": None,
-            },
-            {
-                "cell_type": "code",
-                "metadata": {},
-                "source": CELL.replace("RANKS", str(ranks)),
-                "outputs": [],
-                "execution_count": None,
-            },
+            {"cell_type": "code", "metadata": {}, "source": source, "outputs": [], "execution_count": None}
+            for source in cells
         ],
         "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
         "nbformat": 4,
@@ -114,13 +110,30 @@ def lab(request, tmp_path):
             assert time.monotonic() < deadline, "JupyterLab did not start"
             assert server.poll() is None, "JupyterLab exited"
             time.sleep(0.2)
-    yield f"{base}/lab/tree/demo.ipynb?token={token}", ranks
-    server.terminate()
     try:
-        server.wait(15)
-    except subprocess.TimeoutExpired:
-        os.killpg(server.pid, 9)
-        server.wait()
+        yield f"{base}/lab/tree/demo.ipynb?token={token}"
+    finally:
+        server.terminate()
+        try:
+            server.wait(15)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, 9)
+            server.wait()
+
+
+def _chromium(p):
+    return p.chromium.launch(
+        executable_path=CHROMIUM,
+        args=[
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--no-first-run",
+        ],
+    )
 
 
 def test_live_tabs_in_jupyterlab(lab, tmp_path):
@@ -128,18 +141,7 @@ def test_live_tabs_in_jupyterlab(lab, tmp_path):
     shot = Path(os.environ.get("AIR_MAGIC_SCREENSHOT", tmp_path / "air_magic_tabs.png"))
     shot = shot.with_name(f"{shot.stem}-{ranks}{shot.suffix}")
     with playwright_api.sync_playwright() as p:
-        browser = p.chromium.launch(
-            executable_path=CHROMIUM,
-            args=[
-                "--headless",
-                "--no-sandbox",
-                "--disable-gpu",
-                "--disable-background-networking",
-                "--disable-component-update",
-                "--disable-sync",
-                "--no-first-run",
-            ],
-        )
+        browser = _chromium(p)
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 900})
             page.set_default_timeout(60_000)
@@ -178,3 +180,62 @@ def test_live_tabs_in_jupyterlab(lab, tmp_path):
         bars = [line for line in text.splitlines() if f"rank {rank} bar" in line]
         assert len(bars) == 1, text  # redrawn in place, not one line per update
         assert "30/30" in bars[0]
+
+
+BACKGROUND_CELL = """%%distributed -n 2 --background --no-tracking
+import os, time
+rank = int(os.environ["RANK"])
+tick = 0
+while not os.path.exists(GATE):
+    print(f"rank {rank} tick {tick}", flush=True)
+    tick += 1
+    time.sleep(0.3)
+print(f"rank {rank} through the gate")
+"""
+
+
+def _last_tick(text: str) -> int:
+    ticks = [int(line.rsplit(" ", 1)[1]) for line in text.splitlines() if " tick " in line]
+    return max(ticks, default=-1)
+
+
+def test_reloading_the_page_mid_run_shows_the_live_tabs_again(tmp_path):
+    """A background run: the kernel is free, so the reloaded page gets the widgets' state from it
+    at once. (A foreground cell keeps the kernel busy, and JupyterLab asks for that state on the
+    kernel's shell channel, which answers only between cells: README, "Long runs".)"""
+    gate = tmp_path / "gate"
+    cells = ["%load_ext air_magic", BACKGROUND_CELL.replace("GATE", repr(str(gate)))]
+    with _jupyterlab(tmp_path, cells) as url, playwright_api.sync_playwright() as p:
+        browser = _chromium(p)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            page.set_default_timeout(60_000)
+            page.goto(url)
+            page.wait_for_selector("#jp-main-statusbar >> text=Idle", timeout=90_000)
+            page.locator(".jp-Notebook .jp-Cell").first.click()
+            page.keyboard.press("Escape")
+            page.keyboard.press("Shift+Enter")  # %load_ext
+            page.keyboard.press("Shift+Enter")  # the background cell: it ends at once
+            panel = page.locator(".air-magic-run .widget-tab-contents .widget-output").first
+            deadline = time.monotonic() + 90
+            while _last_tick(panel.inner_text() if panel.count() else "") < 3:
+                assert time.monotonic() < deadline, "rank 0 did not print 3 ticks"
+                time.sleep(0.2)
+            page.keyboard.press("Control+s")  # saved with the tabs' view in the cell's outputs
+            page.wait_for_timeout(1000)
+            before = _last_tick(panel.inner_text())
+            page.reload()
+            page.wait_for_selector("#jp-main-statusbar >> text=Idle", timeout=90_000)
+            run = page.locator(".air-magic-run")
+            run.wait_for(timeout=60_000)  # the tabs again, drawn from the kernel's live widgets
+            panel = run.locator(".widget-tab-contents .widget-output").first
+            deadline = time.monotonic() + 60
+            while _last_tick(panel.inner_text()) <= before + 2:  # and still streaming
+                assert time.monotonic() < deadline, "the reloaded tabs did not update"
+                time.sleep(0.2)
+            gate.touch()
+            run.locator(".lm-TabBar-tab").filter(has_text="rank 0 ✓").wait_for(timeout=60_000)
+            text = panel.inner_text()
+        finally:
+            browser.close()
+    assert "rank 0 tick 0" in text and "rank 0 through the gate" in text
