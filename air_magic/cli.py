@@ -38,8 +38,8 @@ from air_magic.display.text import TextDisplay
 from air_magic.errors import ConfigurationError, DistributedTimeoutError, RankFailedError, RemoteTraceback
 from air_magic.launch.settings import add_arguments, make_settings, settings_from_args
 from air_magic.protocol.events import Consumer
-from air_magic.session import history
-from air_magic.session.call import run_call
+from air_magic.session import detached, history
+from air_magic.session.call import prepare_call, run_call, start_async
 from air_magic.worker import targets
 
 USAGE_ERROR = 2  # argparse's own status for a bad option
@@ -57,15 +57,18 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0 if argv else USAGE_ERROR
-    if argv[0] in ("runs", "logs"):
+    commands = {"runs": _runs, "logs": _logs, "attach": _attach, "cancel": _cancel}
+    if argv[0] in commands:
         try:
-            return _runs(argv[1:]) if argv[0] == "runs" else _logs(argv[1:])
-        except UsageError as exc:
+            return commands[argv[0]](argv[1:])
+        except (UsageError, ConfigurationError) as exc:
             print(f"air-magic {argv[0]}: {exc}", file=sys.stderr)
             return USAGE_ERROR
     if argv[0] != "run":
         parser.print_usage(sys.stderr)
-        print(f"air-magic: unknown command {argv[0]!r} (commands: run, runs, logs)", file=sys.stderr)
+        print(
+            f"air-magic: unknown command {argv[0]!r} (commands: run, {', '.join(commands)})", file=sys.stderr
+        )
         return USAGE_ERROR
     try:
         options, target = _split_run_arguments(argv[1:])
@@ -96,8 +99,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "command",
-        choices=["run", "runs", "logs"],
-        help="run: TARGET on every rank; runs: the recent calls; logs RUN [RANK]: a call's logs",
+        choices=["run", "runs", "logs", "attach", "cancel"],
+        help="run: TARGET on every rank; runs: the recent calls; logs RUN [RANK]: a call's logs; "
+        "attach [RUN]: follow a detached run (run --detach); cancel RUN: stop one",
     )
     return parser
 
@@ -202,7 +206,15 @@ def _runs(argv: list[str]) -> int:
     )
     parser.add_argument("-n", type=int, default=20, help="how many (default: 20)")
     args = parser.parse_args(argv)
-    for summary in history.read_summaries(args.log_dir or paths.default_log_root())[: args.n]:
+    summaries = history.read_summaries(args.log_dir or paths.default_log_root())
+    listed = {s["run_id"] for s in summaries}
+    supervised = {run.id: run for run in detached.runs()}
+    for run in supervised.values():  # a detached run whose ranks have not started has no log folder yet
+        if run.id not in listed and run.status in ("starting", "lost"):
+            print(f"{run.id}  {run.status:<11} {run.world_size!s:>3} rank(s) {'':>9}  {run.name}  (detached)")
+    for summary in summaries[: args.n]:
+        if summary["run_id"] in supervised:  # its supervisor knows best: 'cancelled', 'lost' (it died)
+            summary["outcome"] = supervised[summary["run_id"]].status
         took = summary.get("elapsed")
         took_text = "" if took is None else f"{took:.1f} s"
         outcome, ranks = summary.get("outcome", "?"), summary.get("world_size", "?")
@@ -244,13 +256,10 @@ def _logs(argv: list[str]) -> int:
 def _run(call: tuple[str, Any, inspect.BoundArguments, str], settings: Any, args: argparse.Namespace) -> int:
     name, fn, bound, kind = call
     source = _read(bound.args[0]) if kind == "script" else None  # the run keeps the script's text
-    consumers: list[Consumer] = []
+    if settings.detach:
+        return _start_detached(name, fn, bound, settings, kind, source)
     json_out = JsonLines() if args.json else None
-    if json_out is not None:
-        consumers.append(json_out)
-    elif getattr(args, "display", "auto") != "none":
-        ranks = {0} if getattr(args, "display", None) == "rank0" else None
-        consumers.append(TextDisplay(ranks=ranks, colour=sys.stdout.isatty()))
+    consumers = _displays(args, json_out)
     stopped_by: list[int] = []
     previous = _stop_on_signals(stopped_by)
     values: list[Any] | None = None
@@ -268,6 +277,78 @@ def _run(call: tuple[str, Any, inspect.BoundArguments, str], settings: Any, args
         _restore(previous)
     _report(kind, values, error, status, json_out)
     return status
+
+
+def _displays(args: argparse.Namespace, json_out: JsonLines | None) -> list[Consumer]:
+    if json_out is not None:
+        return [json_out]
+    if getattr(args, "display", "auto") == "none":
+        return []
+    ranks = {0} if getattr(args, "display", None) == "rank0" else None
+    return [TextDisplay(ranks=ranks, colour=sys.stdout.isatty())]
+
+
+def _start_detached(
+    name: str, fn: Any, bound: inspect.BoundArguments, settings: Any, kind: str, source: Any
+) -> int:
+    """``run --detach``: the supervisor runs it; this command says how to follow it and ends."""
+    try:
+        handle = start_async(prepare_call(name, fn, bound, settings, kind=kind, source=source))
+    except ConfigurationError as exc:
+        print(f"air-magic run: {exc}", file=sys.stderr)
+        return USAGE_ERROR
+    run = handle.detached_id
+    print(f"air-magic: detached run {run} started")
+    print(
+        f"  follow it: air-magic attach {run}   stop it: air-magic cancel {run}   logs: air-magic logs {run}"
+    )
+    return 0
+
+
+def _attach(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="air-magic attach",
+        description="Follow a detached run (default: the newest one running): its output so far, then "
+        "live; the exit status says how it ended. Ctrl-C stops following; the run goes on.",
+    )
+    parser.add_argument("run", metavar="RUN", nargs="?", help="its id (or the start of it)")
+    parser.add_argument("--json", action="store_true", help="one JSON object per event on stdout")
+    parser.error = _usage_error  # type: ignore[method-assign]
+    args = parser.parse_args(argv)
+    json_out = JsonLines() if args.json else None
+    displays = _displays(args, json_out)
+    handle = detached.attach(args.run, display="none", consumers=displays)
+    previous = _stop_on_signals([])
+    try:
+        error = handle.exception()
+    except KeyboardInterrupt:
+        print(f"air-magic: stopped following; run {handle.detached_id} goes on", file=sys.stderr)
+        return SIGNALLED + signal.SIGINT
+    finally:
+        _restore(previous)
+    status = 0 if error is None else exit_status(error)
+    values = None if error is not None else handle.result()
+    _report(
+        "function" if values and not isinstance(values[0], type(None)) else "attached",
+        values,
+        error,
+        status,
+        json_out,
+    )
+    return status
+
+
+def _cancel(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="air-magic cancel", description="Stop a detached run (every rank).")
+    parser.add_argument("run", metavar="RUN", help="its id (or the start of it)")
+    parser.error = _usage_error  # type: ignore[method-assign]
+    args = parser.parse_args(argv)
+    handle = detached.attach(args.run, display="none")
+    if handle.cancel():
+        print(f"air-magic: run {handle.detached_id} cancelled; every rank is gone")
+        return 0
+    print(f"air-magic: run {handle.detached_id} is still stopping", file=sys.stderr)
+    return 1
 
 
 def _read(path: str) -> str | None:

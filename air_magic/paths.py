@@ -20,6 +20,11 @@ MLFLOW_ARTIFACTS = "artifacts"
 MLFLOW_UI_LOG = "ui.log"
 MLFLOW_SERVED_ARTIFACTS = "served-artifacts"
 DETACHED_DIR = "detached"  # state_dir(DETACHED_DIR): one folder per detached run (session/detached.py)
+DETACHED_REQUEST = "request.pkl"  # in it: the call, for its supervisor (deleted once read)
+DETACHED_STATE = "state.json"  # what the run is and how it stands
+DETACHED_EVENTS = "events.jsonl"  # every event of the call (protocol/event_log.py)
+DETACHED_RESULT = "result.pkl"  # every rank's value, or the error
+SUPERVISOR_LOG = "supervisor.log"  # the supervisor's own output
 RAY_DIR = "ray"  # state_dir(RAY_DIR): the local Ray cluster's token and logs
 RAY_TOKEN = "auth_token"  # its token file (0600)
 
@@ -53,6 +58,7 @@ def embedded_mlflow_uri() -> str:
     return "sqlite:///" + os.path.join(embedded_mlflow_dir(), MLFLOW_DB)
 
 
+STACKS_FILE = "stacks.txt"  # in a call's log folder: every stack dump taken (launch/stacks.py)
 RUN_SUMMARY = "run.json"  # in a call's log folder: what it was and how it ended (air-magic runs)
 
 

@@ -291,3 +291,47 @@ def test_runs_lists_the_calls_and_logs_prints_a_ranks_log(project, tmp_path):
     assert shown.returncode == 0 and "rank 1 of 2 argv=['first'] sum=3" in shown.stdout
     missing = invoke("logs", "--log-dir", str(logs), "no-such-run")
     assert missing.returncode == 2 and "no call 'no-such-run'" in missing.stderr
+
+
+def test_run_detach_returns_at_once_and_attach_follows_to_the_exit_status(project, tmp_path):
+    gate = tmp_path / "gate"
+    script = tmp_path / "waits.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "print('rank', os.environ['RANK'], 'before', flush=True)\n"
+        f"while not os.path.exists({str(gate)!r}):\n"
+        "    time.sleep(0.02)\n"
+        "print('rank', os.environ['RANK'], 'after', flush=True)\n"
+        "sys.exit(3 if os.environ['RANK'] == '1' else 0)\n"
+    )
+    started = air_magic(project, "--detach", "-n", "2", str(script))
+    assert started.returncode == 0, started.stderr
+    run_id = started.stdout.split("detached run ")[1].split()[0]
+    assert f"air-magic attach {run_id}" in started.stdout
+    listed = invoke("runs", cwd=project)
+    assert run_id in listed.stdout
+    follower = subprocess.Popen(
+        [*command(), "attach", run_id[:15]],
+        cwd=project,
+        env=environment(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    gate.touch()
+    out, err = follower.communicate(timeout=120)
+    assert follower.returncode == 3, err  # the failing rank's own exit status
+    for rank in (0, 1):
+        assert f"[rank {rank}] rank {rank} before" in out and f"[rank {rank}] rank {rank} after" in out
+    assert invoke("attach", "no-such-run", cwd=project).returncode == 2
+
+
+def test_cancel_stops_a_detached_run(project, tmp_path):
+    script = tmp_path / "forever.py"
+    script.write_text("import time\nwhile True:\n    time.sleep(0.1)\n")
+    started = air_magic(project, "--detach", "-n", "2", str(script))
+    run_id = started.stdout.split("detached run ")[1].split()[0]
+    cancelled = invoke("cancel", run_id, cwd=project)
+    assert cancelled.returncode == 0 and "cancelled; every rank is gone" in cancelled.stdout, cancelled.stderr
+    row = invoke("runs", cwd=project).stdout.split(run_id)[1].splitlines()[0]
+    assert "cancelled" in row, row

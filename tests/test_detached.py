@@ -206,3 +206,35 @@ def test_a_detached_run_is_private_to_its_user(tmp_path):
             air_magic.attach(run.id)
     finally:
         os.chown(run.folder, os.getuid(), os.getgid())
+
+
+def test_the_magics_list_and_attach_detached_runs(ip, capsys):
+    handle = ip.run_cell("%%distributed -n 2 --detach --background --display none --no-tracking\n7").result
+    assert handle.result(timeout=120) == [7, 7]
+    capsys.readouterr()
+    ip.run_line_magic("distributed", "runs")
+    row = [line for line in capsys.readouterr().out.splitlines() if line.startswith(handle.detached_id)]
+    assert row and "succeeded" in row[0] and "2 rank(s)" in row[0]
+    again = ip.run_line_magic("distributed", f"attach {handle.detached_id}")
+    assert again.result(timeout=60) == [7, 7]
+
+
+def test_a_detached_run_keeps_its_metrics_and_mlflow_run(store):
+    def logs_metrics():
+        import os
+
+        import mlflow
+
+        for step in range(5):
+            mlflow.log_metric("loss", 1.0 / (step + 1), step=step)
+        return int(os.environ["RANK"])
+
+    fn = air_magic.distributed(num_accelerators=2, display="none", detach=True)(logs_metrics)
+    handle = fn.distributed_async()
+    assert handle.result(timeout=120) == [0, 1]
+    state = run_state(handle)
+    run = store.get_run(state["mlflow_run_id"])
+    assert run.info.status == "FINISHED"
+    history = store.get_metric_history(run.info.run_id, "loss")
+    assert sorted(m.step for m in history) == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]  # both ranks' rows
+    assert run.data.tags["air_magic.run_id"] == handle.detached_id  # one id for the run everywhere

@@ -27,6 +27,7 @@ class LaunchRequest:
     timeout: float | None
     env: dict[str, str] = field(default_factory=dict)  # extra variables for every rank
     log_root: str | None = None  # where the call's log folder is made (None: paths.default_log_root)
+    run_id: str | None = None  # the call's id, when the caller chose it (a detached run's); None: new
 
 
 @dataclass

@@ -26,13 +26,14 @@ import sys
 import time
 from collections.abc import Mapping
 
+from air_magic import paths
 from air_magic.protocol import env_names
 from air_magic.protocol.stacks import STACKS_SIGNAL, stacks_path
 
 PY_SPY_TIMEOUT_S = 10.0  # one dump usually takes 0.1-0.5 s; a rank in uninterruptible sleep may not answer
 SIGNAL_WAIT_S = 3.0  # how long a rank may take to write its dump after the signal
 _QUIET_S = 0.15  # the dump is complete when the file has stopped growing this long
-STACKS_FILE = "stacks.txt"
+STACKS_FILE = paths.STACKS_FILE
 # A frame in air_magic's own code, as faulthandler ('File "/x/air_magic/worker/entry.py"') and
 # py-spy ('main (air_magic/worker/entry.py:83)') write it.
 _OUR_FRAME = re.compile(r"(^|[\s(\"/])air_magic/(worker|backends|protocol|launch|session|data)/[\w/]+\.py")

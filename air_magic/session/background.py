@@ -88,6 +88,8 @@ class RunHandle:
         self.run_id: str | None = None
         self.rank_states: dict[int, str] = {}
         self.rank_pids: dict[int, int] = {}  # rank -> pid, as each rank starts
+        self.detached_id: str | None = None  # a detached run's id (session/detached.py), for attach()
+        self.kind = "function"  # what ran: 'function', 'cell', 'script' or 'module'
         self._status_html: Any = None  # the live status line, once displayed in a notebook
         self._last_drawn = 0.0
         self._thread: threading.Thread | None = None

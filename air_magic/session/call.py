@@ -153,6 +153,7 @@ class PreparedCall:
     # What its MLflow run records (a detached run's supervisor creates the run from it).
     facts: tracking.CallFacts | None = None
     kind: str = "function"  # 'function' or 'cell'; from the command line also 'script' or 'module'
+    run_id: str | None = None  # the call's id if chosen before it runs (a detached run's); else the backend's
 
     def displays(self) -> list[Consumer]:
         """The display that ``settings.display`` names (built on the caller's thread: a background
@@ -182,6 +183,7 @@ class PreparedCall:
                 timeout=self.settings.timeout,
                 env={**(tracked.env if tracked else {}), **self.settings.env},
                 log_root=self.settings.log_dir,
+                run_id=self.run_id,
             )
             wired: list[Consumer] = [RunHistory(record), *displays, *consumers]
             if tracked is not None:

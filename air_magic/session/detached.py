@@ -46,11 +46,11 @@ from air_magic.protocol import event_log, serialization, wire
 from air_magic.protocol.events import Event, RankStarted, RecordLink, RunFinished, RunStarted, Tick
 from air_magic.session.background import RunHandle, show_displays, start_thread
 
-REQUEST = "request.pkl"
-STATE = "state.json"
-EVENTS = "events.jsonl"
-RESULT = "result.pkl"
-SUPERVISOR_LOG = "supervisor.log"
+REQUEST = paths.DETACHED_REQUEST
+STATE = paths.DETACHED_STATE
+EVENTS = paths.DETACHED_EVENTS
+RESULT = paths.DETACHED_RESULT
+SUPERVISOR_LOG = paths.SUPERVISOR_LOG
 KEEP_ENDED = 50  # ended runs' folders kept (their events can be large; the logs stay in the log root)
 RESULT_WAIT_S = 60.0  # after the last event: the supervisor writes the result, then ends the MLflow run
 TICK_S = 0.2
@@ -193,7 +193,9 @@ def runs() -> list[DetachedRun]:
     return found
 
 
-def attach(run: str | DetachedRun | None = None, display: str = "auto") -> RunHandle:
+def attach(
+    run: str | DetachedRun | None = None, display: str = "auto", consumers: Sequence[Any] = ()
+) -> RunHandle:
     """Re-open a detached run (default: the newest one still running): its output so far, then the
     stream, in this cell; the handle's result() waits for the end, cancel() stops it."""
     info = _find(run)
@@ -201,7 +203,7 @@ def attach(run: str | DetachedRun | None = None, display: str = "auto") -> RunHa
     # A cell's ranks return their cell's outcome; another kernel gets each rank's last value (the
     # names go back only to the kernel that ran the cell, when its handle's result() is called).
     on_result = _cell_values if state.get("kind") == "cell" else None
-    return _follow(info.folder, make_consumers(display), on_result)
+    return _follow(info.folder, make_consumers(display), on_result, consumers)
 
 
 def _cell_values(result: RunResult) -> list[Any]:
@@ -271,7 +273,8 @@ def _follow(folder: str, displays: list[Any], on_result: Any, more: Sequence[Any
         stacks=lambda: take_stacks(dict(pids), handle.log_dir) if handle.log_dir else {},
         on_result=on_result,
     )
-    handle.detached_id = state.get("id", os.path.basename(folder))  # type: ignore[attr-defined]
+    handle.detached_id = state.get("id", os.path.basename(folder))
+    handle.kind = state.get("kind", "function")
     show_displays(displays, world, name)
     consumers = [*displays, *more, handle]
     stop = threading.Event()

@@ -50,11 +50,22 @@ def main(folder: str) -> int:
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
     run_start = tracking.RunStart(request.facts, log_root=settings.log_dir) if request.facts else None
-    prepared = PreparedCall(request.name, settings, backend, request.plan, request.payload, run_start, None)
+    prepared = PreparedCall(
+        request.name,
+        settings,
+        backend,
+        request.plan,
+        request.payload,
+        run_start,
+        None,
+        kind=request.kind,
+        run_id=os.path.basename(folder),  # one id for the run: its folder here, its log folder, runs()
+    )
+    # State first, events last: whoever reads an event finds the state (the MLflow run) it implies.
     consumers: list[Consumer] = [
-        event_log.EventLogWriter(os.path.join(folder, detached.EVENTS)),
-        detached.RunStateWriter(folder),
         _RecordInState(folder, run_start),
+        detached.RunStateWriter(folder),
+        event_log.EventLogWriter(os.path.join(folder, detached.EVENTS)),
     ]
     try:
         result = prepared.run([], consumers)

@@ -56,7 +56,7 @@ class LocalBackend:
     def run(self, request: LaunchRequest, bus: EventBus) -> RunResult:
         # A caller killed mid-call (SIGKILL) cannot remove its folders: the arguments in clear.
         private_files.sweep_dead_callers()
-        run_id = new_run_id()
+        run_id = request.run_id or new_run_id()
         log_dir = make_log_dir(request.log_root, run_id)
         run_dir = private_files.private_tempdir(run_id)  # 0700, named after this caller for the sweep
         try:
