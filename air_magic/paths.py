@@ -25,6 +25,8 @@ DETACHED_STATE = "state.json"  # what the run is and how it stands
 DETACHED_EVENTS = "events.jsonl"  # every event of the call (protocol/event_log.py)
 DETACHED_RESULT = "result.pkl"  # every rank's value, or the error
 SUPERVISOR_LOG = "supervisor.log"  # the supervisor's own output
+DETACHED_LISTENING = "listening"  # an empty mark: the supervisor's stop signal handler is in place
+DETACHED_CANCEL = "cancel"  # an empty mark: cancel() was asked (before the handler was there, say)
 RAY_DIR = "ray"  # state_dir(RAY_DIR): the local Ray cluster's token and logs
 RAY_TOKEN = "auth_token"  # its token file (0600)
 

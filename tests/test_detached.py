@@ -238,3 +238,20 @@ def test_a_detached_run_keeps_its_metrics_and_mlflow_run(store):
     history = store.get_metric_history(run.info.run_id, "loss")
     assert sorted(m.step for m in history) == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]  # both ranks' rows
     assert run.data.tags["air_magic.run_id"] == handle.detached_id  # one id for the run everywhere
+
+
+@fault(
+    "cancel() at once, while the supervisor is still starting",
+    "the run ends cancelled (never lost); no rank left",
+)
+def test_a_cancel_while_the_supervisor_starts_is_kept(tmp_path):
+    fn = air_magic.distributed(num_accelerators=2, display="none", tracking=False, detach=True)(_sleeps)
+    handle = fn.distributed_async()
+    assert handle.cancel() is True
+    assert handle.status == "cancelled" and _status(handle.detached_id) == "cancelled"
+
+
+def _sleeps():
+    import time
+
+    time.sleep(600)

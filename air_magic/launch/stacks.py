@@ -26,6 +26,8 @@ import sys
 import time
 from collections.abc import Mapping
 
+import psutil
+
 from air_magic import paths
 from air_magic.protocol import env_names
 from air_magic.protocol.stacks import STACKS_SIGNAL, stacks_path
@@ -153,6 +155,8 @@ def _signal_dump(rank: int, pid: int, log_dir: str) -> str:
         before = os.path.getsize(path)
     except OSError:
         return "(no stacks: the rank had not started its Python code yet, or cannot write its log folder)"
+    if not _is_rank_of(pid, path):
+        return "(no stacks: the rank had already ended)"
     try:
         os.kill(pid, STACKS_SIGNAL)
     except ProcessLookupError:
@@ -176,6 +180,15 @@ def _signal_dump(rank: int, pid: int, log_dir: str) -> str:
     with open(path, "rb") as f:
         f.seek(before)
         return f.read(size - before).decode("utf-8", "replace")
+
+
+def _is_rank_of(pid: int, path: str) -> bool:
+    """The process still holds this rank's stacks file open: it is the rank (its pid was not
+    reused by another process, which the signal's default action would end)."""
+    try:
+        return any(f.path == path for f in psutil.Process(pid).open_files())
+    except psutil.Error:  # gone, or not ours to look at: do not signal
+        return False
 
 
 def _keep(stacks: Mapping[int, str], pids: Mapping[int, int], log_dir: str, why: str) -> None:

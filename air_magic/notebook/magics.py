@@ -364,13 +364,18 @@ def _mlflow_ui() -> Any:
 
 
 def _newest_background() -> background.RunHandle:
-    runs = background.running()
-    if not runs:
+    """The newest run going on while this kernel is free: a background run of this kernel, a
+    detached run it follows, else the newest detached run of this user on this machine."""
+    runs = [*background.running(), *detached.followed()]
+    if runs:
+        return max(runs, key=lambda h: h.started)
+    try:
+        return detached.attach(None, display="none")
+    except ConfigurationError:
         raise UsageError(
-            "%distributed: no background run is running in this kernel (start one with "
-            "%%distributed --background or fn.distributed_async(...))"
-        )
-    return runs[-1]
+            "%distributed: no run is going on (start one with %%distributed --background, "
+            "fn.distributed_async(...) or detach=True)"
+        ) from None
 
 
 def _stack(args: list[str]) -> Any:

@@ -100,6 +100,11 @@ class RunHandle:
     def status(self) -> str:
         return self._status
 
+    @property
+    def started(self) -> float:
+        """When this handle began (``time.monotonic()``): the order of runs in this process."""
+        return self._started
+
     def done(self) -> bool:
         """True once the call has ended (every rank gone), however it ended."""
         return self._finished.is_set()
@@ -293,7 +298,7 @@ def start_thread(target: Callable[[], None], name: str) -> threading.Thread:
 def running() -> list[RunHandle]:
     """The background runs of this process that have not ended yet, oldest first."""
     with _active_lock:
-        return sorted(_active, key=lambda h: h._started)
+        return sorted(_active, key=lambda h: h.started)
 
 
 def cancel_all(wait_s: float = AT_EXIT_WAIT_S) -> None:

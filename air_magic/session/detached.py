@@ -43,7 +43,15 @@ from air_magic.launch.accelerators import AcceleratorPlan
 from air_magic.launch.request import RunResult
 from air_magic.launch.stacks import take_stacks
 from air_magic.protocol import event_log, serialization, wire
-from air_magic.protocol.events import Event, RankStarted, RecordLink, RunFinished, RunStarted, Tick
+from air_magic.protocol.events import (
+    Event,
+    RankExited,
+    RankStarted,
+    RecordLink,
+    RunFinished,
+    RunStarted,
+    Tick,
+)
 from air_magic.session.background import RunHandle, show_displays, start_thread
 
 REQUEST = paths.DETACHED_REQUEST
@@ -288,6 +296,8 @@ def _follow(folder: str, displays: list[Any], on_result: Any, more: Sequence[Any
             if event is not None:
                 if isinstance(event, RankStarted):
                     pids[event.rank] = event.pid
+                elif isinstance(event, RankExited):
+                    pids.pop(event.rank, None)  # its pid may be reused: never signalled again
                 elif isinstance(event, RunStarted):
                     _show_record(displays, _read_state(folder) or {})
                 _emit(consumers, event)
@@ -302,7 +312,17 @@ def _follow(folder: str, displays: list[Any], on_result: Any, more: Sequence[Any
         handle._finish(*_outcome(folder, finished))
 
     start_thread(follow, f"air_magic-follow-{name}")
+    _followed.append(handle)
     return handle
+
+
+_followed: list[RunHandle] = []  # the detached runs this process follows (never cancelled at its exit)
+
+
+def followed() -> list[RunHandle]:
+    """The detached runs this process follows that have not ended, oldest first."""
+    _followed[:] = [h for h in _followed if not h.done()]
+    return list(_followed)
 
 
 def _show_record(displays: list[Any], state: dict[str, Any]) -> None:
@@ -343,9 +363,14 @@ def _outcome(folder: str, finished: RunFinished | None) -> tuple[RunResult | Non
 
 
 def _signal_supervisor(folder: str) -> None:
+    """Cancel: the mark first (a supervisor still starting reads it), then SIGTERM once its handler
+    is in place (its ``listening`` mark): before that, SIGTERM's default would kill it unrecorded."""
     import signal
 
+    private_files.create_private_file(os.path.join(folder, paths.DETACHED_CANCEL))
     state = _read_state(folder) or {}
+    if not os.path.exists(os.path.join(folder, paths.DETACHED_LISTENING)):
+        return
     if _supervisor_alive(state) and state.get("pid"):
         try:
             os.kill(int(state["pid"]), signal.SIGTERM)

@@ -18,16 +18,39 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 from typing import Any
 
-from air_magic.backends.local.backend import LocalBackend
-from air_magic.launch.request import RunResult
-from air_magic.launch.settings import make_settings
-from air_magic.protocol import event_log, serialization, wire
-from air_magic.protocol.events import Consumer
-from air_magic.session import detached
-from air_magic.session.call import PreparedCall
-from air_magic.tracking import run as tracking
+from air_magic import paths  # the standard library only: cheap before the handlers
+
+# A cancel may come while this process is still importing (a second or two): it is remembered
+# from the first moment, not left to SIGTERM's default action (which would leave the run 'lost').
+_stop_asked = threading.Event()
+_stop_now: list[Any] = []  # the backend's stop(), once there is a backend
+
+
+def _on_stop_signal(signum: int, frame: Any) -> None:
+    _stop_asked.set()
+    for stop in _stop_now:
+        stop()
+
+
+if __name__ == "__main__":  # before the imports below: they take the time a cancel may come in
+    signal.signal(signal.SIGTERM, _on_stop_signal)
+    signal.signal(signal.SIGINT, _on_stop_signal)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    # From now on a SIGTERM is a cancel; before, cancel() only leaves its mark (detached.py).
+    mark = os.path.join(sys.argv[1], paths.DETACHED_LISTENING)
+    os.close(os.open(mark, os.O_WRONLY | os.O_CREAT, 0o600))
+
+from air_magic.backends.local.backend import LocalBackend  # noqa: E402
+from air_magic.launch.request import RunResult  # noqa: E402
+from air_magic.launch.settings import make_settings  # noqa: E402
+from air_magic.protocol import event_log, serialization, wire  # noqa: E402
+from air_magic.protocol.events import Consumer, RunStarted  # noqa: E402
+from air_magic.session import detached  # noqa: E402
+from air_magic.session.call import PreparedCall  # noqa: E402
+from air_magic.tracking import run as tracking  # noqa: E402
 
 
 def main(folder: str) -> int:
@@ -41,13 +64,9 @@ def main(folder: str) -> int:
     settings = make_settings(request.settings_raw)
     backend = LocalBackend(warm_start=False)
     backend.prepare(settings)
-
-    def stop(signum: int, frame: Any) -> None:
-        backend.stop()
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    _stop_now.append(backend.stop)
+    if _stop_asked.is_set() or os.path.exists(os.path.join(folder, paths.DETACHED_CANCEL)):
+        backend.stop()  # cancelled while this process started: the call ends at once
 
     run_start = tracking.RunStart(request.facts, log_root=settings.log_dir) if request.facts else None
     prepared = PreparedCall(
@@ -84,8 +103,6 @@ class _RecordInState:
         self._run_start = run_start
 
     def handle(self, event: Any) -> None:
-        from air_magic.protocol.events import RunStarted
-
         if isinstance(event, RunStarted) and self._run_start is not None:
             tracked = self._run_start.tracked
             if tracked is not None:  # it exists: PreparedCall.run waited for it before the ranks
