@@ -21,6 +21,7 @@ next pass; what is still unwritten at the end is reported in one warning.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 import threading
 import warnings
@@ -47,7 +48,10 @@ class MetricWriter:
 
     def start(self) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="air_magic-metrics", daemon=True)
+            context = contextvars.copy_context()  # its warnings go to the call's cell
+            self._thread = threading.Thread(
+                target=context.run, args=(self._loop,), name="air_magic-metrics", daemon=True
+            )
             self._thread.start()
 
     def _loop(self) -> None:

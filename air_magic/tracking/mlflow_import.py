@@ -13,6 +13,7 @@ interrupt stops only the wait.
 
 from __future__ import annotations
 
+import contextvars
 import sys
 import threading
 from types import ModuleType
@@ -38,8 +39,12 @@ def import_mlflow() -> ModuleType | None:
     imported = _imported
     if imported is None:
         imported = _imported = threading.Event()
+        context = contextvars.copy_context()  # what the import prints goes to the caller's cell
         threading.Thread(
-            target=_import_in_background, args=(imported,), name="air_magic-import-mlflow", daemon=True
+            target=context.run,
+            args=(_import_in_background, imported),
+            name="air_magic-import-mlflow",
+            daemon=True,
         ).start()
     imported.wait()
     failure = _import_failure

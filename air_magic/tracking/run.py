@@ -28,6 +28,7 @@ launch events and, in a ``finally``, the call's outcome.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import importlib.metadata
 import os
@@ -259,7 +260,12 @@ class RunStart:
         # MLflow keeps the active run per thread: read it on the caller's (remember_active() did,
         # for a call that waits here on a thread of its own).
         active = self._active if self._active is not _NOT_READ else mlflow.active_run()
-        owner = threading.Thread(target=self._own, args=(mlflow, active), name="air_magic-run", daemon=True)
+        # In a copy of the caller's context: what MLflow prints (creating a new store, say) goes to
+        # the cell of the call, also for a background call (ipykernel >= 7 routes output by context).
+        context = contextvars.copy_context()
+        owner = threading.Thread(
+            target=context.run, args=(self._own, mlflow, active), name="air_magic-run", daemon=True
+        )
         owner.start()
         self._uri_known.wait()
         limit = remote.setup_wait_s(self.uri, self._timeout)
