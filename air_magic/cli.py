@@ -210,7 +210,7 @@ def _runs(argv: list[str]) -> int:
     listed = {s["run_id"] for s in summaries}
     supervised = {run.id: run for run in detached.runs()}
     for run in supervised.values():  # a detached run whose ranks have not started has no log folder yet
-        if run.id not in listed and run.status in ("starting", "lost"):
+        if args.log_dir is None and run.id not in listed and run.status in ("starting", "lost"):
             print(f"{run.id}  {run.status:<11} {run.world_size!s:>3} rank(s) {'':>9}  {run.name}  (detached)")
     for summary in summaries[: args.n]:
         if summary["run_id"] in supervised:  # its supervisor knows best: 'cancelled', 'lost' (it died)
@@ -344,6 +344,9 @@ def _cancel(argv: list[str]) -> int:
     parser.error = _usage_error  # type: ignore[method-assign]
     args = parser.parse_args(argv)
     handle = detached.attach(args.run, display="none")
+    if handle.done():
+        print(f"air-magic: run {handle.detached_id} had already ended ({handle.status})")
+        return 0
     if handle.cancel():
         print(f"air-magic: run {handle.detached_id} cancelled; every rank is gone")
         return 0

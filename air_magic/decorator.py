@@ -77,7 +77,7 @@ class DistributedFunction(Generic[R]):
         """
         bound = self._signature.bind(*args, **kwargs)
         name = getattr(self.func, "__qualname__", "function")
-        return start_async(prepare_call(name, self.func, bound, self.settings))
+        return start_async(prepare_call(name, self.func, bound, self.settings, background=True))
 
 
 @overload

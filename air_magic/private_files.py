@@ -319,6 +319,17 @@ def sweep_dead_callers(folder: str | None = None) -> list[str]:
     return removed
 
 
+def owner_alive(tag: str) -> bool:
+    """The process an :func:`owner_tag` names still runs (a tag of another machine: assumed alive)."""
+    try:
+        pid, start, space = tag.split("-", 2)
+    except ValueError:
+        return False
+    if space != _pid_space():
+        return True
+    return _alive(int(pid), int(start))
+
+
 def _alive(pid: int, start: int) -> bool:
     """The owner still runs: same pid, same start, not a zombie. When unsure, alive (keep its folder)."""
     try:

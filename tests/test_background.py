@@ -230,3 +230,45 @@ def test_the_magics_background_stack_and_cancel(ip, capsys, tmp_path):
     assert hung.status == "cancelled"
     for name in ("ready", "stuck_here_forever", "x"):
         ip.user_ns.pop(name, None)
+
+
+def test_a_running_calls_log_folder_is_never_pruned(tmp_path):
+    """A days-long run outlives a hundred short calls: its log folder stays while its process lives."""
+    import json
+
+    from air_magic import paths, private_files
+    from air_magic.backends import output
+
+    root = tmp_path / "runs"
+    root.mkdir(mode=0o700)
+    (root / "20200101-000000-000000").mkdir()  # the oldest: a live run of this process
+    alive = {"outcome": "running", "owner": private_files.owner_tag()}
+    Path(paths.run_summary(str(root / "20200101-000000-000000"))).write_text(json.dumps(alive))
+    (root / "20200101-000001-000000").mkdir()  # a run whose process is gone: pruned as usual
+    dead = {"outcome": "running", "owner": "1-1-" + private_files.owner_tag().split("-", 2)[2]}
+    Path(paths.run_summary(str(root / "20200101-000001-000000"))).write_text(json.dumps(dead))
+    for i in range(output.KEEP_RUNS):
+        (root / f"20210101-{i:06d}-000000").mkdir()
+    output._prune(str(root))
+    left = sorted(p.name for p in root.iterdir())
+    assert left[0] == "20200101-000000-000000" and "20200101-000001-000000" not in left
+    assert len(left) == output.KEEP_RUNS + 1
+
+
+def _hash_seed() -> str:
+    import os
+
+    return os.environ.get("PYTHONHASHSEED", "")
+
+
+def test_two_calls_wanting_different_starters_do_not_close_each_others(capfd):
+    """A background call waits for a starter with its start-up variables; a foreground call with
+    others starts fresh ranks meanwhile instead of rebuilding (and closing) the first one's."""
+    air_magic.restart_warm_start()
+    fn = air_magic.distributed(num_accelerators=2, display="none", tracking=False)(_hash_seed)
+    first = fn.with_overrides(env={"PYTHONHASHSEED": "1"}).distributed_async()
+    assert fn.with_overrides(env={"PYTHONHASHSEED": "2"}).distributed() == ["2", "2"]
+    assert first.result(timeout=180) == ["1", "1"]
+    said = capfd.readouterr().err
+    # Each call rebuilds at most once (before, each closed the other's starter every 0.2 s).
+    assert said.count("restarting the warm starter") <= 2, said

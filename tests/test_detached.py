@@ -134,8 +134,8 @@ def test_a_killed_supervisor_takes_its_ranks_and_is_reported(store, tmp_path):
     handle = air_magic.attach(run_id, display="none")
     _wait_for(lambda: len(handle.rank_pids) == 2, "the replay of both ranks' start")
     pids = list(handle.rank_pids.values())
-    state = run_state(handle)
-    os.kill(state["pid"], signal.SIGKILL)
+    (run,) = [r for r in air_magic.runs() if r.id == run_id]
+    os.kill(run.pid, signal.SIGKILL)
     assert _gone_within(pids)
     with pytest.raises(LaunchError, match="ended without a result"):
         handle.result(timeout=60)

@@ -27,6 +27,7 @@ LAYER_OF = {
     "air_magic.private_files": "base",
     "air_magic.process_tree": "base",
     "air_magic.user_warnings": "base",
+    "air_magic.threads": "base",
     "air_magic.protocol": "protocol",
     "air_magic.worker": "worker",
     "air_magic.data": "data",

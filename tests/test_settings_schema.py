@@ -44,13 +44,13 @@ EVERY_SETTING = (
         "warm_start": False,
         "cluster": "ray=127.0.0.1:6379",
         "share_gpus": True,
-        "detach": True,
+        "detach": False,  # True with cluster= is refused (a local supervisor): --no-detach here
         "experiment": "exp",
         "run_name": "run-1",
     },
     "-n 3 --accelerator-type GPU_2xH200 --timeout 12.5 --display text --env A=1 --env B=x=y "
     "--log-dir /tmp/air_magic-schema-logs --max-payload-bytes 1024 --no-tracking --no-warm-start "
-    "--cluster ray=127.0.0.1:6379 --share-gpus --detach --experiment exp --run-name run-1",
+    "--cluster ray=127.0.0.1:6379 --share-gpus --no-detach --experiment exp --run-name run-1",
 )
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import codecs
 import collections
+import json
 import os
 import shutil
 
@@ -54,7 +55,9 @@ def make_log_dir(root: str | None, run_id: str) -> str:
         ) from exc
     if root is None:
         _prune(base)
-    return path
+    # Without links or a relative part: the folder's name stays right after a chdir, and equals what
+    # the kernel reports for files opened in it (stacks: launch/stacks.py compares them).
+    return os.path.realpath(path)
 
 
 def _prune(base: str) -> None:
@@ -64,7 +67,18 @@ def _prune(base: str) -> None:
         return
     # Run ids start with a timestamp, so name order is age order.
     for entry in sorted(runs, key=lambda e: e.name)[:-KEEP_RUNS]:
-        shutil.rmtree(entry.path, ignore_errors=True)
+        if not _still_running(entry.path):  # a days-long run outlives a hundred short ones
+            shutil.rmtree(entry.path, ignore_errors=True)
+
+
+def _still_running(log_dir: str) -> bool:
+    """The call's summary says it runs, and the process running it is alive."""
+    try:
+        with open(paths.run_summary(log_dir)) as f:
+            summary = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return summary.get("outcome") == "running" and private_files.owner_alive(str(summary.get("owner", "")))
 
 
 class RankTail:

@@ -38,6 +38,7 @@ _QUIET_S = 0.15  # the dump is complete when the file has stopped growing this l
 STACKS_FILE = paths.STACKS_FILE
 # A frame in air_magic's own code, as faulthandler ('File "/x/air_magic/worker/entry.py"') and
 # py-spy ('main (air_magic/worker/entry.py:83)') write it.
+_THREADING = re.compile(r"[/(\s]threading\.py")  # a thread's own start-up frames
 _OUR_FRAME = re.compile(r"(^|[\s(\"/])air_magic/(worker|backends|protocol|launch|session|data)/[\w/]+\.py")
 TIMEOUT_FRAMES = 6  # frames per thread in a timeout's message (stacks.txt has them all)
 
@@ -86,7 +87,8 @@ def format_stacks(stacks: Mapping[int, str], max_frames: int | None = None, ours
         lines: list[str] = []
         for head, frames in _threads(text):
             if not ours:
-                if not frames or _OUR_FRAME.search(frames[0]):  # waiting in air_magic: a thread of ours
+                own = [f for f in frames if not _OUR_FRAME.search(f) and not _THREADING.search(f)]
+                if not own:  # every frame air_magic's or threading's: a thread of ours (the lifeline)
                     continue
                 frames = [f for f in frames if not _OUR_FRAME.search(f)]
             if max_frames is not None and len(frames) > max_frames:

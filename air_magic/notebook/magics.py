@@ -142,7 +142,7 @@ class DistributedMagics(Magics):
 
         if args.background:
             prepared = session.prepare_call(
-                name, cell_runner.run_cell, bound, settings, kind="cell", source=cell
+                name, cell_runner.run_cell, bound, settings, kind="cell", source=cell, background=True
             )
             # The names come back when handle.result() is called, on the notebook's own thread:
             # never into the namespace of whatever cell happens to run when the ranks finish.
@@ -176,7 +176,7 @@ class DistributedMagics(Magics):
         if command == "stack":
             return _stack(words[1:])
         if command == "cancel":
-            return _cancel()
+            return _cancel(words[1:])
         if command == "mlflow-ui":
             return _mlflow_ui()
         if command == "help":
@@ -188,7 +188,7 @@ class DistributedMagics(Magics):
 _HELP = """%distributed status        the last run: outcome, time, each rank's state, log folder
 %distributed logs [RANK]   where the last run's logs are, or the end of one rank's log
 %distributed stack [RANK]  every thread's stack in each rank of the running background run
-%distributed cancel        stop the newest running background run (every rank)
+%distributed cancel [RUN]  stop this kernel's newest run going on (or the detached run RUN)
 %distributed runs          this user's detached runs on this machine, from any kernel
 %distributed attach [RUN]  re-open a detached run (default: the newest running): output so far, then live
 %distributed settings      what this machine has, where logs go
@@ -411,8 +411,24 @@ def _attach(args: list[str]) -> Any:
         raise UsageError(str(exc)) from None
 
 
-def _cancel() -> None:
-    handle = _newest_background()
+def _cancel(args: list[str]) -> None:
+    """The newest run this kernel started or follows; another one only when named (RUN)."""
+    if args:
+        try:
+            handle = detached.attach(args[0], display="none")
+        except ConfigurationError as exc:
+            raise UsageError(str(exc)) from None
+    else:
+        mine = [*background.running(), *detached.followed()]
+        if not mine:
+            raise UsageError(
+                "%distributed cancel: this kernel has no run going on; %distributed cancel RUN stops "
+                "a detached run of another kernel (%distributed runs lists them)"
+            )
+        handle = max(mine, key=lambda h: h.started)
+    if handle.done():
+        print(f"air_magic: {handle.name} had already ended ({handle.status})")
+        return
     ended = handle.cancel()
     print(f"air_magic: {handle.name} {'cancelled; every rank is gone' if ended else 'is still stopping'}")
 

@@ -23,7 +23,6 @@ thread would keep a kernel's shutdown waiting for the training to finish).
 
 from __future__ import annotations
 
-import contextvars
 import html
 import threading
 import time
@@ -35,6 +34,7 @@ from air_magic.display.widgets import WidgetDisplay, widgets_available
 from air_magic.launch.request import RunResult
 from air_magic.launch.stacks import format_stacks
 from air_magic.protocol.events import Consumer, Event, RankExited, RankStarted, RunFinished, RunStarted, Tick
+from air_magic.threads import start_in_context
 
 CANCEL_WAIT_S = 10.0  # cancel(): every rank is stopped within the backend's grace; this bounds the wait
 AT_EXIT_WAIT_S = 10.0  # at exit, for all background runs together
@@ -80,7 +80,6 @@ class RunHandle:
         self._error: BaseException | None = None  # the call itself failed (not a rank)
         self._value: Any = None
         self._value_taken = False
-        self._cancelled = False
         self._status = "starting"
         self._started = time.monotonic()
         self._elapsed: float | None = None
@@ -149,7 +148,6 @@ class RunHandle:
 
         With ``wait`` (default) returns when every rank is gone (a few seconds at most)."""
         if not self._finished.is_set():
-            self._cancelled = True
             self._stop()
         if wait:
             self._finished.wait(CANCEL_WAIT_S)
@@ -269,7 +267,7 @@ def start_background(
     with _active_lock:
         _active.add(handle)
     try:
-        start_thread(run, f"air_magic-background-{prepared.name}")
+        start_in_context(run, f"air_magic-background-{prepared.name}")
     except BaseException:
         with _active_lock:
             _active.discard(handle)
@@ -286,15 +284,6 @@ def show_displays(displays: list[Consumer], world_size: int, name: str) -> list[
     return displays
 
 
-def start_thread(target: Callable[[], None], name: str) -> threading.Thread:
-    """A daemon thread running ``target`` in a copy of the caller's context (its output goes to
-    the caller's cell: ipykernel >= 7 keeps that in context variables)."""
-    context = contextvars.copy_context()
-    thread = threading.Thread(target=context.run, args=(target,), name=name, daemon=True)
-    thread.start()
-    return thread
-
-
 def running() -> list[RunHandle]:
     """The background runs of this process that have not ended yet, oldest first."""
     with _active_lock:
@@ -305,7 +294,6 @@ def cancel_all(wait_s: float = AT_EXIT_WAIT_S) -> None:
     """Stop every background run (interpreter exit: a kernel shut down or restarted with runs going)."""
     handles = running()
     for handle in handles:
-        handle._cancelled = True
         handle._stop()
     end = time.monotonic() + wait_s
     for handle in handles:

@@ -46,7 +46,8 @@ def backend_for(settings: LaunchSettings) -> Backend:
 
         _, _, address = settings.cluster.partition("=")
         return RayBackend(address or None, warm_start=settings.warm_start)
-    return LocalBackend(warm_start=settings.warm_start)
+    # A detached run's ranks start fresh under its supervisor: no warm starter here for it.
+    return LocalBackend(warm_start=settings.warm_start and not settings.detach)
 
 
 def run_call(
@@ -68,7 +69,12 @@ def run_call(
     prepared = prepare_call(name, func, bound, settings, kind=kind, source=source, backend=backend)
     if settings.detach:
         return _follow_detached(prepared, consumers)
-    return prepared.run(prepared.displays(), consumers)
+    try:
+        displays = prepared.displays()
+    except BaseException:
+        prepared.abandon()
+        raise
+    return prepared.run(displays, consumers)
 
 
 def start_async(
@@ -80,9 +86,13 @@ def start_async(
     a supervisor of its own (``detach=True``)."""
     from air_magic.session import background, detached
 
-    if prepared.settings.detach:
-        return detached.start_detached(prepared, on_result, consumers)
-    return background.start_background(prepared, on_result=on_result, consumers=consumers)
+    try:
+        if prepared.settings.detach:
+            return detached.start_detached(prepared, on_result, consumers)
+        return background.start_background(prepared, on_result=on_result, consumers=consumers)
+    except BaseException:
+        prepared.abandon()  # nothing was left running: its GPUs are free again (a no-op if given back)
+        raise
 
 
 def _follow_detached(prepared: PreparedCall, consumers: Sequence[Consumer]) -> RunResult:
@@ -108,6 +118,7 @@ def prepare_call(
     kind: str = "function",
     source: str | None = None,
     backend: Backend | None = None,
+    background: bool = False,
 ) -> PreparedCall:
     """Steps 1-5 up to the wait for the MLflow run: everything that can refuse the call, on the
     caller's thread (a background call raises here, before its handle exists)."""
@@ -116,6 +127,11 @@ def prepare_call(
         raise ConfigurationError(
             f"{name}.distributed() was called inside rank {os.environ.get('RANK', '?')} of run {inside}: "
             "a rank cannot start ranks of its own. Call the function directly there (fn.func(...))."
+        )
+    if background and settings.cluster is not None:
+        raise ConfigurationError(
+            f"{name}: background runs are on this machine only for now (cluster=None); on a Ray "
+            "cluster call fn.distributed(...), or run it from a terminal with air-magic run"
         )
     backend = backend if backend is not None else backend_for(settings)
     plan = backend.prepare(settings)
@@ -161,8 +177,9 @@ class PreparedCall:
         return make_consumers(self.settings.display)
 
     def abandon(self) -> None:
-        """The call will not run after all: its GPUs are free again."""
-        gpu_claims.release(self.claim)
+        """Its GPUs are free again (the call will not run here after all). Safe to call twice."""
+        claim, self.claim = self.claim, None
+        gpu_claims.release(claim)
 
     def run(self, displays: Sequence[Consumer], consumers: Sequence[Consumer] = ()) -> RunResult:
         """Steps 5-8: wait for the tracked run, run the ranks, end the tracked run with the outcome."""
@@ -197,7 +214,7 @@ class PreparedCall:
             outcome = "failed"
             raise
         finally:
-            gpu_claims.release(self.claim)
+            self.abandon()
             if run_start is not None:
                 run_start.end(outcome)
 

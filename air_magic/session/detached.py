@@ -23,6 +23,7 @@ away stops following; the run goes on. Nothing travels over a socket.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -52,7 +53,8 @@ from air_magic.protocol.events import (
     RunStarted,
     Tick,
 )
-from air_magic.session.background import RunHandle, show_displays, start_thread
+from air_magic.session.background import RunHandle, show_displays
+from air_magic.threads import start_in_context
 
 REQUEST = paths.DETACHED_REQUEST
 STATE = paths.DETACHED_STATE
@@ -62,6 +64,7 @@ SUPERVISOR_LOG = paths.SUPERVISOR_LOG
 KEEP_ENDED = 50  # ended runs' folders kept (their events can be large; the logs stay in the log root)
 RESULT_WAIT_S = 60.0  # after the last event: the supervisor writes the result, then ends the MLflow run
 TICK_S = 0.2
+REPLAY_WAIT_S = 30.0  # attach() returns once the events so far are replayed, or after this long
 _LIVE = ("starting", "running")
 _ROOT_FIX = "Set XDG_STATE_HOME to a folder only you can write"
 
@@ -78,6 +81,7 @@ class DetachedRequest:
     facts: Any  # tracking.CallFacts, or None when the call is not tracked
     sys_path: list[str]
     argv: list[str]
+    active: Any = None  # the caller's active MLflow run, under which the call's run nests
 
 
 @dataclass(frozen=True)
@@ -116,59 +120,80 @@ def start_detached(prepared: Any, on_result: Any = None, consumers: Sequence[Any
     run_id = new_run_id()
     folder = os.path.join(root(), run_id)
     os.mkdir(folder, 0o700)
-    _prune()
-    request = DetachedRequest(
-        name=prepared.name,
-        kind=prepared.kind,
-        settings_raw=dict(prepared.settings.raw),
-        plan=prepared.plan,
-        payload=prepared.payload,
-        facts=prepared.facts,
-        sys_path=list(sys.path),
-        argv=list(sys.argv) or [""],
-    )
-    wire.write_atomically(os.path.join(folder, REQUEST), serialization.dumps(request))
-    _write_state(
-        folder,
-        {
-            "id": run_id,
-            "name": prepared.name,
-            "status": "starting",
-            "started": time.time(),
-            "world_size": prepared.plan.world_size,
-            "kind": request.kind,
-            "gpus": [g.uuid for g in prepared.plan.gpus],
-        },
-    )
-    private_files.create_private_file(os.path.join(folder, EVENTS))  # empty: a follower opens it at once
-    log = private_files.open_private(
-        os.path.join(folder, SUPERVISOR_LOG), os.O_WRONLY | os.O_APPEND | os.O_CREAT
-    )
     try:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "air_magic.session.supervisor", folder],
-            env=_supervisor_env(),
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=log,
-            start_new_session=True,  # a kernel's death, a closed terminal, a SIGHUP: none reach it
+        _prune()
+        request = DetachedRequest(
+            name=prepared.name,
+            kind=prepared.kind,
+            settings_raw=dict(prepared.settings.raw),
+            plan=prepared.plan,
+            payload=prepared.payload,
+            facts=_facts_for_elsewhere(prepared.facts),
+            sys_path=list(sys.path),
+            argv=list(sys.argv) or [""],
+            active=prepared.run_start.remembered_active if prepared.run_start is not None else None,
         )
+        wire.write_atomically(os.path.join(folder, REQUEST), serialization.dumps(request))
+        # Written once here, before the supervisor exists; from then on the supervisor alone writes it.
+        _write_state(
+            folder,
+            {
+                "id": run_id,
+                "name": prepared.name,
+                "status": "starting",
+                "started": time.time(),
+                "world_size": prepared.plan.world_size,
+                "kind": request.kind,
+                "gpus": [g.uuid for g in prepared.plan.gpus],
+            },
+        )
+        private_files.create_private_file(os.path.join(folder, EVENTS))  # a follower opens it at once
+        log = private_files.open_private(
+            os.path.join(folder, SUPERVISOR_LOG), os.O_WRONLY | os.O_APPEND | os.O_CREAT
+        )
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "air_magic.session.supervisor", folder],
+                env=_supervisor_env(),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                start_new_session=True,  # a kernel's death, a closed terminal, a SIGHUP: none reach it
+            )
+        finally:
+            os.close(log)
     except BaseException:
-        prepared.abandon()
+        shutil.rmtree(folder, ignore_errors=True)  # no supervisor: nothing of it may stay (the arguments)
         raise
-    finally:
-        os.close(log)
-    _update_state(folder, pid=proc.pid, pid_started=psutil.Process(proc.pid).create_time())
     # The supervisor's state.json now says which GPUs it holds, for every process: this one's claim goes.
     prepared.abandon()
     _reap_later(proc)
     return _follow(folder, make_consumers(prepared.settings.display), on_result, consumers)
 
 
+def _facts_for_elsewhere(facts: Any) -> Any:
+    """The call's facts with its experiment named: the supervisor is not the notebook or script
+    whose name the default experiment takes (MLflow's own variables travel in the environment)."""
+    if facts is None or facts.experiment is not None:
+        return facts
+    if os.environ.get("MLFLOW_EXPERIMENT_ID") or os.environ.get("MLFLOW_EXPERIMENT_NAME"):
+        return facts
+    from air_magic.tracking import store
+
+    if store.active_experiment_id() is not None:  # mlflow.set_experiment(): _supervisor_env passes it
+        return facts
+    return dataclasses.replace(facts, experiment=store.default_experiment_name())
+
+
 def _supervisor_env() -> dict[str, str]:
-    """This process's environment, with the MLflow store it would use said explicitly (a store set
-    with mlflow.set_tracking_uri() lives in this process only)."""
+    """This process's environment, with the MLflow store and experiment it would use said
+    explicitly (mlflow.set_tracking_uri() and set_experiment() live in this process only)."""
     env = dict(os.environ)
+    from air_magic.tracking import store
+
+    chosen = store.active_experiment_id()  # mlflow.set_experiment() in this process
+    if chosen is not None and "MLFLOW_EXPERIMENT_ID" not in env:
+        env["MLFLOW_EXPERIMENT_ID"] = chosen
     mlflow = sys.modules.get("mlflow")
     if mlflow is not None and "MLFLOW_TRACKING_URI" not in env:
         try:
@@ -240,8 +265,8 @@ def _read_run(folder: str) -> DetachedRun | None:
     if state is None:
         return None
     status = state.get("status", "starting")
-    pid = state.get("pid")
-    if status in _LIVE and not _supervisor_alive(state):
+    supervisor = _supervisor(folder)
+    if status in _LIVE and not _supervisor_alive(folder, state):
         status = "lost"
     return DetachedRun(
         id=state.get("id", os.path.basename(folder)),
@@ -251,20 +276,34 @@ def _read_run(folder: str) -> DetachedRun | None:
         started=float(state.get("started", 0.0)),
         log_dir=state.get("log_dir"),
         folder=folder,
-        pid=pid,
+        pid=supervisor[0] if supervisor else None,
         mlflow=state.get("mlflow"),
     )
 
 
-def _supervisor_alive(state: dict[str, Any]) -> bool:
-    pid, started = state.get("pid"), state.get("pid_started")
-    if pid is None:  # the kernel is starting it (or died doing so): young runs count as alive
-        return time.time() - float(state.get("started", 0.0)) < 30
+START_GRACE_S = 30.0  # a supervisor that has not said it listens after this long did not start
+
+
+def _supervisor(folder: str) -> tuple[int, float] | None:
+    """(pid, start time) the supervisor wrote as its first act (its ``listening`` mark)."""
     try:
-        proc = psutil.Process(int(pid))
-        same = started is not None and abs(proc.create_time() - float(started)) < 1.0
-        return same and proc.status() != psutil.STATUS_ZOMBIE
-    except (psutil.Error, TypeError, ValueError):
+        with open(os.path.join(folder, paths.DETACHED_LISTENING)) as f:
+            pid, started = f.read().split()
+        return int(pid), float(started)
+    except (OSError, ValueError):
+        return None
+
+
+def _supervisor_alive(folder: str, state: dict[str, Any] | None = None) -> bool:
+    supervisor = _supervisor(folder)
+    if supervisor is None:  # still starting (or it died doing so): a young run counts as alive
+        state = state if state is not None else (_read_state(folder) or {})
+        return time.time() - float(state.get("started", 0.0)) < START_GRACE_S
+    pid, started = supervisor
+    try:
+        proc = psutil.Process(pid)
+        return abs(proc.create_time() - started) < 1.0 and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
         return False
 
 
@@ -287,13 +326,20 @@ def _follow(folder: str, displays: list[Any], on_result: Any, more: Sequence[Any
     consumers = [*displays, *more, handle]
     stop = threading.Event()
 
+    caught_up = threading.Event()  # the replay reached the end of what was written so far
+
     def follow() -> None:
         started = time.monotonic()
         last_tick = 0.0
         finished: RunFinished | None = None
+        gone = False  # the supervisor died: read what it wrote to the end, then stop
         for event in event_log.follow(os.path.join(folder, EVENTS), stop):
             now = time.monotonic()
-            if event is not None:
+            if event is None:
+                caught_up.set()
+                if gone:
+                    break
+            else:
                 if isinstance(event, RankStarted):
                     pids[event.rank] = event.pid
                 elif isinstance(event, RankExited):
@@ -307,12 +353,16 @@ def _follow(folder: str, displays: list[Any], on_result: Any, more: Sequence[Any
             if now - last_tick >= TICK_S:
                 last_tick = now
                 _emit(consumers, Tick(elapsed=now - started))
-                if event is None and not _supervisor_alive(_read_state(folder) or {}):
-                    break
+                if event is None and not _supervisor_alive(folder):
+                    gone = True
+        caught_up.set()
         handle._finish(*_outcome(folder, finished))
 
-    start_thread(follow, f"air_magic-follow-{name}")
+    start_in_context(follow, f"air_magic-follow-{name}")
     _followed.append(handle)
+    # Back once what was written so far is replayed: the handle knows the log folder, the ranks'
+    # pids and their states (stacks() and status answer at once), and the view shows it all.
+    caught_up.wait(REPLAY_WAIT_S)
     return handle
 
 
@@ -343,20 +393,19 @@ def _emit(consumers: list[Any], event: Event) -> None:
 
 
 def _outcome(folder: str, finished: RunFinished | None) -> tuple[RunResult | None, BaseException | None]:
-    """The run's result, once the supervisor has written it; or why there is none."""
+    """The run's result, once the supervisor has written it (after the ranks, it ends the MLflow
+    run, which may take a while); or, once it is gone without one, why there is none."""
     path = os.path.join(folder, RESULT)
-    deadline = time.monotonic() + (RESULT_WAIT_S if finished is not None else 1.0)
-    while not os.path.exists(path) and time.monotonic() < deadline:
-        if finished is not None and not _supervisor_alive(_read_state(folder) or {}):
-            break
+    while not os.path.exists(path) and _supervisor_alive(folder):
         time.sleep(0.05)
     data = wire.read_bytes(path)
     if data is None:
         state = _read_state(folder) or {}
+        supervisor = _supervisor(folder)
         return None, LaunchError(
-            f"the supervisor of detached run {state.get('id', folder)} (pid {state.get('pid')}) ended "
-            f"without a result; its ranks ended with it (they die with their supervisor). "
-            f"Its log: {os.path.join(folder, SUPERVISOR_LOG)}"
+            f"the supervisor of detached run {state.get('id', folder)} "
+            f"(pid {supervisor[0] if supervisor else '?'}) ended without a result; its ranks ended "
+            f"with it (they die with their supervisor). Its log: {os.path.join(folder, SUPERVISOR_LOG)}"
         )
     result: RunResult = serialization.loads(data)
     return result, None
@@ -368,12 +417,10 @@ def _signal_supervisor(folder: str) -> None:
     import signal
 
     private_files.create_private_file(os.path.join(folder, paths.DETACHED_CANCEL))
-    state = _read_state(folder) or {}
-    if not os.path.exists(os.path.join(folder, paths.DETACHED_LISTENING)):
-        return
-    if _supervisor_alive(state) and state.get("pid"):
+    supervisor = _supervisor(folder)
+    if supervisor is not None and _supervisor_alive(folder):
         try:
-            os.kill(int(state["pid"]), signal.SIGTERM)
+            os.kill(supervisor[0], signal.SIGTERM)
         except ProcessLookupError:
             pass
 
@@ -417,6 +464,8 @@ def update_state(folder: str, **changes: Any) -> None:
 def live_gpu_uuids() -> dict[str, str]:
     """GPU uuid -> the detached run (of any kernel of this user) still running on it."""
     held: dict[str, str] = {}
+    if not os.path.isdir(paths.state_dir(paths.DETACHED_DIR)):  # no detached run ever: nothing to read
+        return held
     try:
         listed = runs()
     except (ConfigurationError, OSError):

@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from air_magic import paths
+from air_magic import paths, private_files
 from air_magic.protocol import wire
 from air_magic.protocol.events import Event, RankExited, RecordLink, RunFinished, RunStarted
 
@@ -83,6 +83,9 @@ _SUMMARY_FIELDS = ("run_id", "name", "world_size", "log_dir", "outcome", "elapse
 def _write_summary(info: RunInfo) -> None:
     summary = {name: getattr(info, name) for name in _SUMMARY_FIELDS}
     summary["tracking_url"] = info.tracking_url
+    # The process running the call (a kernel, a script, a detached run's supervisor): while it lives
+    # and the outcome is "running", the log folder is never pruned (backends/output.py).
+    summary["owner"] = private_files.owner_tag()
     summary["rank_states"] = {str(rank): state for rank, state in info.rank_states.items()}
     try:
         wire.write_atomically(paths.run_summary(info.log_dir), json.dumps(summary).encode())

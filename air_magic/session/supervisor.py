@@ -38,10 +38,18 @@ def _on_stop_signal(signum: int, frame: Any) -> None:
 if __name__ == "__main__":  # before the imports below: they take the time a cancel may come in
     signal.signal(signal.SIGTERM, _on_stop_signal)
     signal.signal(signal.SIGINT, _on_stop_signal)
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    # SIGHUP keeps its default: in a session of its own the supervisor has no terminal to lose,
+    # and its ranks inherit what it has (an ignored SIGHUP would differ from a foreground call's).
     # From now on a SIGTERM is a cancel; before, cancel() only leaves its mark (detached.py).
+    # Its pid and start time, written by itself (no other process writes them, so none can race it).
+    import psutil
+
+    me = f"{os.getpid()} {psutil.Process().create_time()}"
     mark = os.path.join(sys.argv[1], paths.DETACHED_LISTENING)
-    os.close(os.open(mark, os.O_WRONLY | os.O_CREAT, 0o600))
+    fd = os.open(mark + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    os.write(fd, me.encode())
+    os.close(fd)
+    os.replace(mark + ".tmp", mark)
 
 from air_magic.backends.local.backend import LocalBackend  # noqa: E402
 from air_magic.launch.request import RunResult  # noqa: E402
@@ -54,6 +62,16 @@ from air_magic.tracking import run as tracking  # noqa: E402
 
 
 def main(folder: str) -> int:
+    """Run the call in ``folder``; whatever goes wrong, leave a result that says so."""
+    try:
+        return _supervise(folder)
+    except BaseException as exc:  # noqa: BLE001 - before the call ran: the attached handles learn why
+        detached.update_state(folder, status="failed", error=f"{type(exc).__name__}: {exc}")
+        _write_result(folder, RunResult("", "", "failed", error=exc))
+        return 1
+
+
+def _supervise(folder: str) -> int:
     request_path = os.path.join(folder, detached.REQUEST)
     data = wire.read_bytes(request_path)
     os.unlink(request_path)
@@ -69,6 +87,8 @@ def main(folder: str) -> int:
         backend.stop()  # cancelled while this process started: the call ends at once
 
     run_start = tracking.RunStart(request.facts, log_root=settings.log_dir) if request.facts else None
+    if run_start is not None:
+        run_start.remember_active(request.active)  # the caller's active run: the call's run nests in it
     prepared = PreparedCall(
         request.name,
         settings,

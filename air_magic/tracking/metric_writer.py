@@ -21,11 +21,12 @@ next pass; what is still unwritten at the end is reported in one warning.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import os
 import threading
 import warnings
 from typing import Any
+
+from air_magic.threads import start_in_context
 
 INTERVAL_S = 0.5  # metrics reach the store (and the UI) within about this much, plus a batch's write
 BATCH = 1000  # MLflow's limit of metrics in one log_batch request
@@ -48,11 +49,7 @@ class MetricWriter:
 
     def start(self) -> None:
         if self._thread is None:
-            context = contextvars.copy_context()  # its warnings go to the call's cell
-            self._thread = threading.Thread(
-                target=context.run, args=(self._loop,), name="air_magic-metrics", daemon=True
-            )
-            self._thread.start()
+            self._thread = start_in_context(self._loop, "air_magic-metrics")  # its warnings: the call's cell
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):

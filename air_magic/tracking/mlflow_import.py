@@ -13,10 +13,11 @@ interrupt stops only the wait.
 
 from __future__ import annotations
 
-import contextvars
 import sys
 import threading
 from types import ModuleType
+
+from air_magic.threads import start_in_context
 
 _missing_said = False  # the note "MLflow is not installed" is said once per process
 _imported: threading.Event | None = None  # set when the thread importing mlflow is done
@@ -39,13 +40,8 @@ def import_mlflow() -> ModuleType | None:
     imported = _imported
     if imported is None:
         imported = _imported = threading.Event()
-        context = contextvars.copy_context()  # what the import prints goes to the caller's cell
-        threading.Thread(
-            target=context.run,
-            args=(_import_in_background, imported),
-            name="air_magic-import-mlflow",
-            daemon=True,
-        ).start()
+        # What the import prints goes to the caller's cell (threads.py).
+        start_in_context(_import_in_background, "air_magic-import-mlflow", imported)
     imported.wait()
     failure = _import_failure
     if failure is None:

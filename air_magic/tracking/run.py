@@ -28,7 +28,6 @@ launch events and, in a ``finally``, the call's outcome.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import importlib.metadata
 import os
@@ -49,6 +48,7 @@ from air_magic._version import __version__
 from air_magic.launch.accelerators import AcceleratorPlan
 from air_magic.protocol import env_names
 from air_magic.protocol.events import Event, RecordLink, RunFinished, RunStarted
+from air_magic.threads import start_in_context
 from air_magic.tracking import remote, store
 from air_magic.tracking.metric_writer import MetricWriter
 from air_magic.tracking.mlflow_import import import_mlflow
@@ -246,11 +246,19 @@ class RunStart:
         """The call's run once it exists (None before, or when untracked)."""
         return self._tracked
 
-    def remember_active(self) -> None:
+    def remember_active(self, active: Any = _NOT_READ) -> None:
         """Read the caller's active MLflow run now, on the caller's thread (a background call waits
-        for its run on another). Without mlflow imported there can be no active run."""
-        mlflow = sys.modules.get("mlflow")
-        self._active = mlflow.active_run() if mlflow is not None else None
+        for its run on another), or take ``active`` (a detached run's supervisor gets its caller's).
+        Without mlflow imported there can be no active run."""
+        if active is _NOT_READ:
+            mlflow = sys.modules.get("mlflow")
+            active = mlflow.active_run() if mlflow is not None else None
+        self._active = active
+
+    @property
+    def remembered_active(self) -> Any:
+        """The active run :meth:`remember_active` read (None if none, or not read)."""
+        return None if self._active is _NOT_READ else self._active
 
     def wait(self) -> TrackedRun | None:
         """The call's run, or None: mlflow not installed, or the tracking server not answering."""
@@ -260,13 +268,8 @@ class RunStart:
         # MLflow keeps the active run per thread: read it on the caller's (remember_active() did,
         # for a call that waits here on a thread of its own).
         active = self._active if self._active is not _NOT_READ else mlflow.active_run()
-        # In a copy of the caller's context: what MLflow prints (creating a new store, say) goes to
-        # the cell of the call, also for a background call (ipykernel >= 7 routes output by context).
-        context = contextvars.copy_context()
-        owner = threading.Thread(
-            target=context.run, args=(self._own, mlflow, active), name="air_magic-run", daemon=True
-        )
-        owner.start()
+        # What MLflow prints (creating a new store, say) goes to the cell of the call (threads.py).
+        start_in_context(self._own, "air_magic-run", mlflow, active)
         self._uri_known.wait()
         limit = remote.setup_wait_s(self.uri, self._timeout)
         if not self._ready.wait(limit):

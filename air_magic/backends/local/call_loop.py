@@ -194,8 +194,8 @@ class CallLoop:
             if starter is None and (self._deadline_passed() or self.stop_requested.is_set()):
                 return False
         if starter is not None:
-            # Not closed (a rebuild, %distributed restart) while its forks run this call.
-            warm.hold(starter)
+            # Held (by get_starter): not closed by a rebuild or %distributed restart while its
+            # forks run this call; released when every rank is reaped.
             self.held_starter = starter
             # Its exit reports wake the loop as soon as they come.
             self.selector.register(starter, selectors.EVENT_READ, ("starter", None))
@@ -221,8 +221,9 @@ class CallLoop:
         while True:
             # In slices, so that a stop() from another thread is seen while the starter imports.
             slice_s = min(TICK_S, max(0.0, end - time.monotonic()))
-            starter = warm.get_starter(self.request.log_root, startup, wait_s=slice_s)
-            if starter is not None or warm.starting() is None:  # ready, or none is coming
+            starter = warm.get_starter(self.request.log_root, startup, wait_s=slice_s, hold=True)
+            if starter is not None or warm.starting() is None or not warm.serves(startup):
+                # ready; or none is coming for this call (another call waits for one of its own)
                 return starter
             if self.stop_requested.is_set() or time.monotonic() >= end:
                 return None

@@ -160,6 +160,7 @@ class Starter:
         self.broken = False
         self.exits: dict[int, int] = {}
         self.users = 0  # calls whose ranks it forked and which are still running (hold/release)
+        self.awaited_at = float("-inf")  # when a call last waited for it (get_starter with a wait)
         self._lock = threading.Lock()
 
     def fileno(self) -> int:
@@ -274,13 +275,19 @@ def prestart(log_root: str | None = None, env: Mapping[str, str] | None = None) 
 
 
 def get_starter(
-    log_root: str | None = None, startup_env: Mapping[str, str] | None = None, wait_s: float = 0.0
+    log_root: str | None = None,
+    startup_env: Mapping[str, str] | None = None,
+    wait_s: float = 0.0,
+    hold: bool = False,
 ) -> Starter | None:
     """The ready starter for ranks with these start-up variables (waiting up to ``wait_s``), or None.
 
-    Starts one if needed; rebuilds one whose start-up variables differ (said in one line).
-    Returns None when warm start is off, when the starter is not ready within ``wait_s``,
-    or when it has used up its :func:`starter_wait_s` (it is then dropped, said once).
+    Starts one if needed; rebuilds one whose start-up variables differ (said in one line),
+    unless another call is waiting for that one to become ready (this call then gets None: fresh
+    ranks, rather than two calls closing each other's starter in turn). Returns None when warm
+    start is off, when the starter is not ready within ``wait_s``, or when it has used up its
+    :func:`starter_wait_s` (it is then dropped, said once). ``hold``: the starter returned
+    counts this call as a user (:func:`release` ends that) before anyone else can close it.
     """
     global _starter
     if not enabled():
@@ -295,6 +302,8 @@ def get_starter(
             _retire(_starter)
             _starter = None
         if _starter is not None and _starter.startup_env != wanted:
+            if time.monotonic() - _starter.awaited_at < AWAITED_S and not _starter.is_ready():
+                return None  # another call waits for it to become ready: not closed under it
             _say_rebuild(_starter.startup_env, wanted)
             _retire(_starter)
             _starter = None
@@ -306,12 +315,23 @@ def get_starter(
                 # clearly (output.make_log_dir); this call simply starts fresh ranks.
                 return None
         starter = _starter
+        if wait_s > 0:
+            starter.awaited_at = time.monotonic()
     budget = starter_wait_s() - starter.waited_s()
     if starter.is_ready(max(0.0, min(wait_s, budget))):
-        return starter
+        if not hold:
+            return starter
+        with _lock:  # held before anyone else can retire it (and only if nobody did meanwhile)
+            if starter is _starter and starter.alive():
+                starter.users += 1
+                return starter
+        return None
     if starter.waited_s() >= starter_wait_s() and not starter.is_ready():
         _give_up(starter)
     return None
+
+
+AWAITED_S = 2.0  # a starter a call waited for this recently is not rebuilt for another call's variables
 
 
 def starting() -> Starter | None:
@@ -425,14 +445,15 @@ def _retire(starter: Starter) -> None:
         starter.close()
 
 
-def hold(starter: Starter) -> None:
-    """A call is about to fork ranks from ``starter``: it is not closed before :func:`release`."""
-    with _lock:
-        starter.users += 1
+def serves(startup_env: Mapping[str, str]) -> bool:
+    """The current starter is for ranks with these start-up variables (ready or still importing)."""
+    starter = _starter
+    return starter is not None and starter.startup_env == dict(startup_env)
 
 
 def release(starter: Starter) -> None:
-    """The call that held ``starter`` is over (every rank reaped); a retired starter goes now."""
+    """The call that held ``starter`` (``get_starter(hold=True)``) is over, every rank reaped;
+    a starter retired meanwhile goes now."""
     with _lock:
         starter.users -= 1
         if starter.users <= 0 and starter in _retired:
