@@ -124,6 +124,9 @@ def timeout_section(stacks: Mapping[int, str], log_dir: str) -> list[str]:
 
 
 def _one_rank(rank: int, pid: int, log_dir: str, use_py_spy: bool) -> str:
+    path = stacks_path(log_dir, rank)
+    if os.path.exists(path) and not _is_rank_of(pid, path):  # the rank is gone; the pid may be reused
+        return "(no stacks: the rank had already ended)"
     if use_py_spy:
         text = _py_spy_dump(pid)
         if text is not None:
