@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from air_magic import paths
+from air_magic.display import record
 from air_magic.display.screen import RankScreen
 from air_magic.protocol.events import (
     Event,
@@ -50,7 +51,15 @@ _COLORS = {
 
 
 def widgets_available() -> bool:
-    """True inside a Jupyter kernel with ipywidgets installed (the frontend is assumed to render them)."""
+    """True inside a Jupyter kernel with ipywidgets installed, in a frontend that renders our tabs.
+
+    Colab is known not to: its built-in widget manager is ipywidgets 7's, and under the
+    ipywidgets 8 manager ``Tab`` does not render (NOTES.md, "Frontends"); text there. Other
+    frontends cannot be told apart from the kernel; where the view does not render, the
+    record beside it does (display/record.py).
+    """
+    if "google.colab" in sys.modules:
+        return False
     ipython = sys.modules.get("IPython")
     shell = ipython.get_ipython() if ipython is not None else None
     if shell is None or getattr(shell, "kernel", None) is None:
@@ -77,6 +86,7 @@ class WidgetDisplay:
         self._elapsed = 0.0
         self._t0 = time.monotonic()
         self._name = ""
+        self._handle: Any = None  # the display's handle (its id): the static record is updated through it
 
     def set_record(self, record: RecordLink | None) -> None:
         """The call's MLflow run, known once it exists (a background call shows its tabs before)."""
@@ -124,6 +134,8 @@ class WidgetDisplay:
                 self._tab.selected_index = event.failed_rank
             self._dirty.update(range(len(self._screens)))
             self._flush(force=True)
+            if self._handle is not None:
+                self._handle.update(self._bundle(), raw=True)
 
     # -- widgets ------------------------------------------------------------------------
 
@@ -147,7 +159,43 @@ class WidgetDisplay:
         self._tab.titles = tuple(self._titles)
         self._box = w.VBox([self._header, self._tab])
         self._box.add_class("air-magic-run")
-        display(self._box)
+        # The widget view, and beside it a static record for wherever widgets do not render
+        # (display/record.py); replaced through the display id when the call ends.
+        self._handle = display(self._bundle(), raw=True, display_id=True)
+
+    def _bundle(self) -> dict[str, Any]:
+        """The widget view with the static record as ``text/html`` and ``text/plain``."""
+        bundle = dict(self._box._repr_mimebundle_() or {})
+        now = record.Record(
+            name=self._run.name if self._run is not None else self._name,
+            world_size=len(self._states),
+            mode=self._mode(),
+            outcome=self._outcome,
+            elapsed=self._elapsed,
+            log_dir=self._run.log_dir if self._run is not None else None,
+            link=self._record,
+            rows=[
+                record.RankRow(r, self._states[r], self._took(r), self._reasons[r], self._last_lines(r))
+                for r in range(len(self._states))
+            ],
+            cpu_mode=self._run is not None and self._run.cpu_mode,
+        )
+        bundle["text/html"] = record.as_html(now)
+        bundle["text/plain"] = record.as_text(now)
+        return bundle
+
+    def _last_lines(self, rank: int) -> list[str]:
+        return [line for _, line in list(self._screens[rank].lines)[-record.LAST_LINES :]]
+
+    def _took(self, rank: int) -> str:
+        start, end = self._started_at[rank], self._ended_at[rank]
+        return "" if start is None else f"{((end or time.monotonic()) - start):.1f} s"
+
+    def _mode(self) -> str:
+        run = self._run
+        if run is None:
+            return "the ranks are not started yet"
+        return f"CPU mode, {run.backend}" if run.cpu_mode else f"{run.detected}, {run.backend}"
 
     def _refresh_run(self) -> None:
         """The run started: its log folder goes in every footer, its mode in the header."""
@@ -188,31 +236,33 @@ class WidgetDisplay:
     def _header_html(self) -> str:
         run = self._run
         n = len(self._states)
-        if run is None:
-            mode, name = "the ranks are not started yet", self._name
-        else:
-            mode = f"CPU mode, {run.backend}" if run.cpu_mode else f"{run.detected}, {run.backend}"
-            name = run.name
+        mode, name = self._mode(), (run.name if run is not None else self._name)
         outcome = self._outcome
         rows = []
         for r, state in enumerate(self._states):
-            start, end = self._started_at[r], self._ended_at[r]
-            took = "" if start is None else f"{((end or time.monotonic()) - start):.1f} s"
+            took = self._took(r)
             rows.append(
                 f'<tr><td>rank {r}</td><td style="color:{_COLORS[state]}">{GLYPHS[state]} {state.value}</td>'
                 f"<td>{took}</td><td>{html.escape(self._reasons[r])}</td></tr>"
             )
-        record = self._record
-        if record is not None and record.url:
-            link = f' · <a href="{html.escape(record.url)}" target="_blank">MLflow run</a>'
-        elif record is not None:
-            title, short = html.escape(record.description), html.escape(record.run_id)
+        tracked = self._record
+        if tracked is not None and tracked.url:
+            link = f' · <a href="{html.escape(tracked.url)}" target="_blank">MLflow run</a>'
+        elif tracked is not None:
+            title, short = html.escape(tracked.description), html.escape(tracked.run_id)
             link = f' · <span title="{title}">MLflow run {short}</span>'
         else:
             link = ""
+        cpu = ""
+        if run is not None and run.cpu_mode:
+            cpu = (
+                '<div style="color:#b06000">CPU mode: no NVIDIA GPU is visible, so every rank runs on the '
+                "CPU with gloo. Code that needs CUDA fails here: air_magic.init_process_group() picks "
+                "gloo and the CPU here, NCCL and the rank's GPU on a GPU machine.</div>"
+            )
         return (
             f"<div><b>{html.escape(name)}</b> · {n} rank(s) · {html.escape(mode)} · "
-            f"{html.escape(outcome)} · {self._elapsed:.1f} s{link}</div>"
+            f"{html.escape(outcome)} · {self._elapsed:.1f} s{link}</div>{cpu}"
             '<table style="font-size:90%"><tr><th align=left>rank</th><th align=left>state</th>'
             "<th align=left>elapsed</th><th align=left>exit</th></tr>" + "".join(rows) + "</table>"
         )

@@ -9,6 +9,7 @@ the rank's traceback as ``__cause__``, or into a :class:`RankFailedError`.
 
 from __future__ import annotations
 
+import re
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,8 +47,12 @@ def build_exception(
     world_size: int,
     log_path: Callable[[int], str],
     last_lines: Callable[[int], list[str]],
+    cpu_mode: bool = False,
 ) -> BaseException:
     """The error for the earliest failure; later ones are summed up in a note.
+
+    ``cpu_mode``: the call ran on the CPU because no GPU is visible; a failure that needed CUDA
+    (the seed's own quickstart calls ``torch.cuda.set_device``) gets a note that says why.
 
     Every failure, earliest first, is on the exception as ``air_magic_failures``:
     ``(rank, time, summary)`` tuples.
@@ -57,17 +62,50 @@ def build_exception(
     exc = _exception_for(failure, world_size, log_path(failure.rank), last_lines(failure.rank))
     summary = [(f.rank, f.time, _summary(f)) for f in ordered]
     extra: list[str] = []
+    if cpu_mode and needs_cuda(failure):
+        extra.append(CPU_MODE_HINT)
+        add_note(exc, CPU_MODE_HINT)
     if others:
         shown = "; ".join(f"rank {f.rank}: {_summary(f)}" for f in others[:3])
         more = f" and {len(others) - 3} more" if len(others) > 3 else ""
         extra.append(f"[air_magic] after it, {len(others)} other rank(s) failed too: {shown}{more}")
-        add_note(exc, extra[0])
+        add_note(exc, extra[-1])
     _set(exc, "air_magic_failures", summary)
     rendered = getattr(exc, "_render_traceback_", None)
     if rendered is not None and extra:
         lines = rendered()
         _set(exc, "_render_traceback_", lambda: [*lines, *extra])
     return exc
+
+
+CPU_MODE_HINT = (
+    "[air_magic] this call ran on the CPU: no NVIDIA GPU is visible here, and this rank's code needs "
+    "CUDA. Use air_magic.init_process_group() (gloo and the CPU here, NCCL and the rank's GPU on a GPU "
+    "machine) and the device it returns, or init_process_group('gloo') and torch.device('cpu')."
+)
+# What torch (and NCCL) say when CUDA is asked for where there is none.
+_NEEDS_CUDA = re.compile(
+    r"torch\.cuda|_cuda_|\.cuda\(|Torch not compiled with CUDA|CUDA driver|no NVIDIA driver|"
+    r"NVIDIA driver on your system|nccl|NCCL|cuda:\d|device='cuda|device=\"cuda|CUDA error|CUDA available",
+)
+
+
+def needs_cuda(failure: RankFailure) -> bool:
+    """The rank failed for want of CUDA (judged from its exception and traceback)."""
+    record = failure.record
+    if record is None:
+        return False
+    return bool(_NEEDS_CUDA.search(f"{record.type_name}: {record.message}\n{record.traceback}"))
+
+
+def raised_on_its_own(record: bytes | None) -> bool:
+    """A rank's error record (as written) holds an exception of its own: not the interrupt or the
+    exit that stopping it raises. Such a rank failed, even if it raised after the stop began."""
+    try:
+        type_name = serialization.loads(record).type_name if record is not None else ""
+    except Exception:  # noqa: BLE001 - a torn record: it did fail, but how is unknown
+        return False
+    return bool(type_name) and type_name not in ("builtins.KeyboardInterrupt", "builtins.SystemExit")
 
 
 def _summary(failure: RankFailure) -> str:

@@ -29,7 +29,7 @@ from air_magic.backends.local.ranks import RankPipes, RankSlot, spawn_rank
 from air_magic.backends.local.rendezvous import LOOPBACK
 from air_magic.backends.output import OutputRouter
 from air_magic.errors import DistributedTimeoutError, LaunchError, PayloadError
-from air_magic.launch.failures import RankFailure, build_exception, exit_words
+from air_magic.launch.failures import RankFailure, build_exception, exit_words, raised_on_its_own
 from air_magic.launch.rank_env import RankPlace, rank_environment
 from air_magic.launch.request import LaunchRequest, RunResult
 from air_magic.launch.stacks import take_stacks, timeout_section
@@ -381,6 +381,12 @@ class CallLoop:
         if raised_at is not None and (self.teardown_at is None or raised_at < self.teardown_at):
             # It failed by itself, just before the others were stopped (its exit code came late).
             r.state, reason = RankState.FAILED, "raised an exception"
+        elif raised_at is not None and raised_on_its_own(
+            wire.read_bytes(wire.error_path(self.run_dir, r.rank))
+        ):
+            # Its own exception (the same CUDA call failing in every rank, a peer's lost connection):
+            # it failed, even if the record came a moment after the first failure stopped the others.
+            r.state, reason = RankState.FAILED, "raised an exception"
         elif raised_at is not None:
             r.state, reason = RankState.KILLED, "stopped by air_magic (it raised while stopping)"
         elif returned and r.exit_code == 0:  # it returned and finished exiting meanwhile
@@ -448,6 +454,7 @@ class CallLoop:
             world_size=self.world,
             log_path=self.router.log_path,
             last_lines=lambda rank: self.router.tails[rank].last(10),
+            cpu_mode=self.request.plan.cpu_mode,
         )
         self.failed_rank = min(failures, key=lambda f: (f.time, f.rank)).rank
         return error

@@ -33,7 +33,7 @@ from air_magic import private_files
 from air_magic.backends.output import OutputRouter, make_log_dir
 from air_magic.backends.ray.placement import Pool
 from air_magic.errors import DistributedTimeoutError, LaunchError, PayloadError, RankFailedError
-from air_magic.launch.failures import RankFailure, build_exception, exit_words
+from air_magic.launch.failures import RankFailure, build_exception, exit_words, raised_on_its_own
 from air_magic.launch.request import LaunchRequest, RunResult, new_run_id
 from air_magic.launch.stacks import timeout_section
 from air_magic.protocol import env_names, serialization, wire
@@ -404,8 +404,8 @@ class RayRun:
         elif teardown_at is None or (r.exit_time is not None and r.exit_time < teardown_at):
             r.state = RankState.FAILED  # it ended by itself, before its node was told to stop
             reason = "raised an exception" if r.error is not None else _death_words(r)
-        elif raised_at is not None and raised_at < teardown_at:
-            r.state, reason = RankState.FAILED, "raised an exception"
+        elif raised_at is not None and (raised_at < teardown_at or raised_on_its_own(r.error)):
+            r.state, reason = RankState.FAILED, "raised an exception"  # its own, not our stop's
         else:
             r.state, reason = RankState.KILLED, "stopped by air_magic"
         self.bus.emit(RankExited(rank=r.rank, state=r.state, exit_code=r.exit_code, reason=reason))
@@ -589,6 +589,7 @@ class RayRun:
             world_size=self.world,
             log_path=self.router.log_path,
             last_lines=lambda rank: self.router.tails[rank].last(10),
+            cpu_mode=self.request.plan.cpu_mode,
         )
         self.failed_rank = min(failures, key=lambda f: (f.time, f.rank)).rank
         return error

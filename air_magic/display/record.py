@@ -1,0 +1,101 @@
+"""The call's outcome as a static record: HTML and plain text beside the live tabs.
+
+The widget view renders only where a frontend has the widget manager and the
+widget's state: not in an nbconvert or GitHub export, not in a notebook reopened
+in VS Code later, not in a frontend without the extension. There a notebook
+shows the next richest form of the same output. The widget display therefore
+puts this record next to its view (``text/html`` and ``text/plain`` in the one
+display bundle) and replaces it at the end, through the display's id, with the
+outcome: each rank's state, time and exit reason, its last lines, the log
+folder and the run's link. A saved notebook thus keeps a readable account of
+the run wherever it is opened.
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from air_magic.protocol.events import RankState, RecordLink
+
+LAST_LINES = 20  # per rank in the record: the end of the story; the log has it all
+MAX_LINE_CHARS = 300
+
+
+@dataclass(frozen=True)
+class RankRow:
+    rank: int
+    state: RankState
+    took: str  # "12.3 s", or "" before it started
+    reason: str
+    last_lines: Sequence[str]
+
+
+@dataclass(frozen=True)
+class Record:
+    name: str
+    world_size: int
+    mode: str  # "CPU mode, gloo" or "GPU_2xH100, nccl"
+    outcome: str
+    elapsed: float
+    log_dir: str | None
+    link: RecordLink | None
+    rows: Sequence[RankRow]
+    cpu_mode: bool = False
+
+
+def _line(text: str) -> str:
+    return text if len(text) <= MAX_LINE_CHARS else text[:MAX_LINE_CHARS] + " …"
+
+
+def as_html(record: Record) -> str:
+    """The record as self-contained HTML (no script, no style sheet): exports render it as is."""
+    e = html.escape
+    link = ""
+    if record.link is not None and record.link.url:
+        link = f' · <a href="{e(record.link.url)}" target="_blank">MLflow run</a>'
+    elif record.link is not None:
+        link = f" · {e(record.link.description)}"
+    cpu = (
+        "<div><i>CPU mode: no NVIDIA GPU is visible, so every rank ran on the CPU with gloo.</i></div>"
+        if record.cpu_mode
+        else ""
+    )
+    rows = "".join(
+        f"<tr><td>rank {r.rank}</td><td>{e(r.state.value)}</td><td>{e(r.took)}</td>"
+        f"<td>{e(r.reason)}</td></tr>"
+        for r in record.rows
+    )
+    tails = "".join(
+        f"<details{' open' if r.state is RankState.FAILED else ''}><summary>rank {r.rank}: last "
+        f"{len(r.last_lines)} line(s)</summary><pre>{e(chr(10).join(_line(x) for x in r.last_lines))}</pre>"
+        "</details>"
+        for r in record.rows
+    )
+    logs = f"<div>logs: <code>{e(record.log_dir)}</code></div>" if record.log_dir else ""
+    return (
+        '<div class="air-magic-record">'
+        f"<div><b>{e(record.name)}</b> · {record.world_size} rank(s) · {e(record.mode)} · "
+        f"<b>{e(record.outcome)}</b> · {record.elapsed:.1f} s{link}</div>{cpu}"
+        "<table><tr><th align=left>rank</th><th align=left>state</th><th align=left>elapsed</th>"
+        f"<th align=left>exit</th></tr>{rows}</table>{tails}{logs}</div>"
+    )
+
+
+def as_text(record: Record) -> str:
+    """The record as plain text (a terminal frontend, a text export)."""
+    ranks = f"{record.world_size} rank(s)"
+    lines = [f"{record.name}: {record.outcome} in {record.elapsed:.1f} s, {ranks}, {record.mode}"]
+    if record.cpu_mode:
+        lines.append("CPU mode: no NVIDIA GPU is visible, so every rank ran on the CPU with gloo.")
+    for r in record.rows:
+        took = f", {r.took}" if r.took else ""
+        reason = f": {r.reason}" if r.reason else ""
+        lines.append(f"  rank {r.rank} {r.state.value}{took}{reason}")
+        lines += [f"    {_line(x)}" for x in r.last_lines]
+    if record.log_dir:
+        lines.append(f"logs: {record.log_dir}")
+    if record.link is not None:
+        lines.append(record.link.url or record.link.description)
+    return "\n".join(lines)
