@@ -239,3 +239,36 @@ def test_reloading_the_page_mid_run_shows_the_live_tabs_again(tmp_path):
         finally:
             browser.close()
     assert "rank 0 tick 0" in text and "rank 0 through the gate" in text
+
+
+def test_the_run_link_in_the_tabs_opens_the_run_in_a_real_mlflow_ui(tmp_path):
+    """The header's link goes to the call's run in MLflow's own UI (started by %distributed mlflow-ui)."""
+    pytest.importorskip("mlflow")
+    cells = [
+        "%load_ext air_magic\n%distributed mlflow-ui",
+        "%%distributed -n 2 --run-name linked-from-the-tabs\nprint('hello')",
+    ]
+    with _jupyterlab(tmp_path, cells) as url, playwright_api.sync_playwright() as p:
+        browser = _chromium(p)
+        try:
+            context = browser.new_context(viewport={"width": 1280, "height": 900})
+            page = context.new_page()
+            page.set_default_timeout(60_000)
+            page.goto(url)
+            page.wait_for_selector("#jp-main-statusbar >> text=Idle", timeout=90_000)
+            page.locator(".jp-Notebook .jp-Cell").first.click()
+            page.keyboard.press("Escape")
+            page.keyboard.press("Shift+Enter")  # %load_ext, and the UI server (up to 90 s)
+            page.keyboard.press("Shift+Enter")  # the tracked call
+            run = page.locator(".air-magic-run")
+            run.locator(".lm-TabBar-tab").filter(has_text="rank 1 ✓").wait_for(timeout=180_000)
+            link = run.locator("a", has_text="MLflow run")
+            link.wait_for(timeout=30_000)
+            with context.expect_page(timeout=30_000) as opened:
+                link.click()
+            mlflow_page = opened.value
+            mlflow_page.wait_for_selector("text=linked-from-the-tabs", timeout=90_000)
+            title = mlflow_page.title()
+        finally:
+            browser.close()
+    assert "MLflow" in title

@@ -30,7 +30,7 @@ import psutil
 
 from air_magic import paths
 from air_magic.protocol import env_names
-from air_magic.protocol.stacks import STACKS_SIGNAL, stacks_path
+from air_magic.protocol.stacks import RANK_FILE_PREFIX, STACKS_SIGNAL, stacks_path
 
 PY_SPY_TIMEOUT_S = 10.0  # one dump usually takes 0.1-0.5 s; a rank in uninterruptible sleep may not answer
 SIGNAL_WAIT_S = 3.0  # how long a rank may take to write its dump after the signal
@@ -194,6 +194,19 @@ def _is_rank_of(pid: int, path: str) -> bool:
         return any(f.path == path for f in psutil.Process(pid).open_files())
     except psutil.Error:  # gone, or not ours to look at: do not signal
         return False
+
+
+def discard_rank_files(log_dir: str) -> None:
+    """At the end of a call: the ranks' own stack files go (every dump taken is in stacks.txt)."""
+    try:
+        names = [n for n in os.listdir(log_dir) if n.startswith(RANK_FILE_PREFIX)]
+    except OSError:
+        return
+    for name in names:
+        try:
+            os.unlink(os.path.join(log_dir, name))
+        except OSError:
+            pass
 
 
 def _keep(stacks: Mapping[int, str], pids: Mapping[int, int], log_dir: str, why: str) -> None:

@@ -18,6 +18,9 @@ import signal
 STACKS_SIGNAL = signal.SIGRTMIN + 5
 
 
+RANK_FILE_PREFIX = "stacks-rank-"
+
+
 def stacks_path(log_dir: str, rank: int) -> str:
     """Where rank ``rank`` writes its stacks when signalled (appended, one dump after another)."""
-    return os.path.join(log_dir, f"stacks-rank-{rank}.txt")
+    return os.path.join(log_dir, f"{RANK_FILE_PREFIX}{rank}.txt")

@@ -252,7 +252,10 @@ class RunStart:
         Without mlflow imported there can be no active run."""
         if active is _NOT_READ:
             mlflow = sys.modules.get("mlflow")
-            active = mlflow.active_run() if mlflow is not None else None
+            if mlflow is not None and getattr(getattr(mlflow, "__spec__", None), "_initializing", False):
+                return  # still being imported (or an interrupted import): wait() reads it, later
+            active_run = getattr(mlflow, "active_run", None)
+            active = active_run() if callable(active_run) else None
         self._active = active
 
     @property

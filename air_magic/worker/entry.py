@@ -171,7 +171,8 @@ def _answer_stack_requests() -> None:
     path = stacks_path(log_dir, int(rank))
     try:
         tmp = f"{path}.{os.getpid()}.tmp"
-        _stacks_file = open(tmp, "a", buffering=1)  # noqa: SIM115 - open for the rank's life
+        fd = os.open(tmp, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)  # private
+        _stacks_file = os.fdopen(fd, "a", buffering=1)
         faulthandler.register(STACKS_SIGNAL, file=_stacks_file, all_threads=True, chain=False)
         os.replace(tmp, path)
     except (OSError, ValueError, RuntimeError):  # no log folder, or no such signal here: py-spy only

@@ -32,7 +32,7 @@ from air_magic.errors import DistributedTimeoutError, LaunchError, PayloadError
 from air_magic.launch.failures import RankFailure, build_exception, exit_words, raised_on_its_own
 from air_magic.launch.rank_env import RankPlace, rank_environment
 from air_magic.launch.request import LaunchRequest, RunResult
-from air_magic.launch.stacks import take_stacks, timeout_section
+from air_magic.launch.stacks import discard_rank_files, take_stacks, timeout_section
 from air_magic.process_tree import DescendantTracker, stop_trees
 from air_magic.protocol import serialization, wire
 from air_magic.protocol.events import (
@@ -151,6 +151,7 @@ class CallLoop:
             self._stop(GRACE_S)  # no-op when every rank is already reaped
             self.pipes.drain(_DRAIN_S)
             self.router.close()
+            discard_rank_files(self.log_dir)  # the ranks are gone: their stack files with them
             self.selector.close()
             os.close(lifeline_w)  # last: ranks die with the lifeline if anything above failed
             if self.held_starter is not None:

@@ -35,7 +35,7 @@ from air_magic.backends.ray.placement import Pool
 from air_magic.errors import DistributedTimeoutError, LaunchError, PayloadError, RankFailedError
 from air_magic.launch.failures import RankFailure, build_exception, exit_words, raised_on_its_own
 from air_magic.launch.request import LaunchRequest, RunResult, new_run_id
-from air_magic.launch.stacks import timeout_section
+from air_magic.launch.stacks import discard_rank_files, timeout_section
 from air_magic.protocol import env_names, serialization, wire
 from air_magic.protocol.events import (
     EventBus,
@@ -198,6 +198,7 @@ class RayRun:
             self._stop(GRACE_S)
             self._finish_agents()
             self.router.close()
+            discard_rank_files(self.log_dir)  # the ranks are gone: their stack files with them
             for fd in self.metric_fds.values():
                 os.close(fd)
             self.bus.emit(
