@@ -318,6 +318,10 @@ def test_run_detach_returns_at_once_and_attach_follows_to_the_exit_status(projec
         stderr=subprocess.PIPE,
         text=True,
     )
+    deadline = time.monotonic() + 120
+    while not all("before" in invoke("logs", run_id, str(rank), cwd=project).stdout for rank in (0, 1)):
+        assert time.monotonic() < deadline, "the ranks did not start"  # (rank 1's exit 3 stops rank 0)
+        time.sleep(0.2)
     gate.touch()
     out, err = follower.communicate(timeout=120)
     assert follower.returncode == 3, err  # the failing rank's own exit status
