@@ -185,6 +185,16 @@ def store(tmp_path, monkeypatch):
         mlflow.end_run()
 
 
+def gone_within(pids, seconds: float = 5.0) -> bool:
+    """True once none of ``pids`` is a live process (zombies count as gone), within ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+            return True
+        time.sleep(0.05)
+    return False
+
+
 def mlflow_status(info) -> str:
     """The MLflow status of a run's call, read back from the session's embedded store."""
     from mlflow.tracking import MlflowClient

@@ -10,9 +10,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import psutil
 import pytest
-from conftest import mlflow_status, ready_starter
+from conftest import gone_within, mlflow_status, ready_starter
 
 import air_magic
 from air_magic.errors import ConfigurationError, DistributedTimeoutError, LaunchError
@@ -49,18 +48,6 @@ def _fail_on_rank_1(gate: str) -> int:
     if rank == 1:
         raise ValueError("rank 1 does not like this batch")
     return rank
-
-
-def _gone_within(pids, seconds=5.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        alive = [
-            p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-        ]
-        if not alive:
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def _wait_for(predicate, seconds=120.0, what="the ranks to start") -> None:
@@ -115,7 +102,7 @@ def test_cancel_leaves_no_rank(store, tmp_path, warm_start):
     _wait_for(lambda: _ready(ready))
     pids = list(handle.rank_pids.values())
     assert handle.cancel() is True
-    assert _gone_within(pids)
+    assert gone_within(pids)
     assert handle.status == "cancelled"
     with pytest.raises(LaunchError, match="stopped before it finished"):
         handle.result()

@@ -136,6 +136,17 @@ def _chromium(p):
     )
 
 
+def _run_both_cells(page, url) -> None:
+    """Open the notebook, wait for its kernel, run its two cells (clicks and keys only)."""
+    page.set_default_timeout(60_000)
+    page.goto(url)
+    page.wait_for_selector("#jp-main-statusbar >> text=Idle", timeout=90_000)
+    page.locator(".jp-Notebook .jp-Cell").first.click()
+    page.keyboard.press("Escape")
+    page.keyboard.press("Shift+Enter")
+    page.keyboard.press("Shift+Enter")
+
+
 def test_live_tabs_in_jupyterlab(lab, tmp_path):
     url, ranks = lab
     shot = Path(os.environ.get("AIR_MAGIC_SCREENSHOT", tmp_path / "air_magic_tabs.png"))
@@ -144,14 +155,7 @@ def test_live_tabs_in_jupyterlab(lab, tmp_path):
         browser = _chromium(p)
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 900})
-            page.set_default_timeout(60_000)
-            page.goto(url)
-            page.wait_for_selector("#jp-main-statusbar >> text=Idle", timeout=90_000)
-            first = page.locator(".jp-Notebook .jp-Cell").first
-            first.click()
-            page.keyboard.press("Escape")
-            page.keyboard.press("Shift+Enter")  # %load_ext
-            page.keyboard.press("Shift+Enter")  # the %%distributed cell
+            _run_both_cells(page, url)  # %load_ext, then the %%distributed cell
             run = page.locator(".air-magic-run")
             run.wait_for(timeout=60_000)
             tabs = run.locator(".lm-TabBar-tab")
@@ -209,13 +213,7 @@ def test_reloading_the_page_mid_run_shows_the_live_tabs_again(tmp_path):
         browser = _chromium(p)
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 900})
-            page.set_default_timeout(60_000)
-            page.goto(url)
-            page.wait_for_selector("#jp-main-statusbar >> text=Idle", timeout=90_000)
-            page.locator(".jp-Notebook .jp-Cell").first.click()
-            page.keyboard.press("Escape")
-            page.keyboard.press("Shift+Enter")  # %load_ext
-            page.keyboard.press("Shift+Enter")  # the background cell: it ends at once
+            _run_both_cells(page, url)  # %load_ext, then the background cell: it ends at once
             panel = page.locator(".air-magic-run .widget-tab-contents .widget-output").first
             deadline = time.monotonic() + 90
             while _last_tick(panel.inner_text() if panel.count() else "") < 3:
@@ -253,13 +251,7 @@ def test_the_run_link_in_the_tabs_opens_the_run_in_a_real_mlflow_ui(tmp_path):
         try:
             context = browser.new_context(viewport={"width": 1280, "height": 900})
             page = context.new_page()
-            page.set_default_timeout(60_000)
-            page.goto(url)
-            page.wait_for_selector("#jp-main-statusbar >> text=Idle", timeout=90_000)
-            page.locator(".jp-Notebook .jp-Cell").first.click()
-            page.keyboard.press("Escape")
-            page.keyboard.press("Shift+Enter")  # %load_ext, and the UI server (up to 90 s)
-            page.keyboard.press("Shift+Enter")  # the tracked call
+            _run_both_cells(page, url)  # %load_ext and the UI server (up to 90 s), then the tracked call
             run = page.locator(".air-magic-run")
             run.locator(".lm-TabBar-tab").filter(has_text="rank 1 ✓").wait_for(timeout=180_000)
             link = run.locator("a", has_text="MLflow run")

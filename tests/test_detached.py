@@ -15,9 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
-from conftest import mlflow_status
+from conftest import gone_within, mlflow_status
 
 import air_magic
 from air_magic.errors import ConfigurationError, LaunchError
@@ -66,18 +65,6 @@ def run_state(handle) -> dict:
     return json.loads(Path(found.folder, "state.json").read_text())
 
 
-def _gone_within(pids, seconds=5.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        alive = [
-            p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-        ]
-        if not alive:
-            return True
-        time.sleep(0.05)
-    return False
-
-
 @fault(
     "the caller (kernel) is killed while a detached run runs",
     "the run goes on; attach from another process: the whole log, then the result; run FINISHED",
@@ -118,7 +105,7 @@ def test_cancelling_an_attached_run_stops_it(store, tmp_path):
     dump = handle.stacks()  # taken from this process: the ranks are not its children
     assert all("waits" in dump[rank] for rank in (0, 1)), dump
     assert handle.cancel() is True
-    assert _gone_within(pids)
+    assert gone_within(pids)
     assert handle.status == "cancelled" and _status(run_id) == "cancelled"
     with pytest.raises(LaunchError, match="stopped before it finished"):
         handle.result()
@@ -136,7 +123,7 @@ def test_a_killed_supervisor_takes_its_ranks_and_is_reported(store, tmp_path):
     pids = list(handle.rank_pids.values())
     (run,) = [r for r in air_magic.runs() if r.id == run_id]
     os.kill(run.pid, signal.SIGKILL)
-    assert _gone_within(pids)
+    assert gone_within(pids)
     with pytest.raises(LaunchError, match="ended without a result"):
         handle.result(timeout=60)
     assert _status(run_id) == "lost"

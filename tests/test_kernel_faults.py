@@ -12,9 +12,8 @@ import queue
 import signal
 import time
 
-import psutil
 import pytest
-from conftest import mlflow_status
+from conftest import gone_within, mlflow_status
 
 pytest.importorskip("ipykernel")
 from helpers.kernel import Kernel
@@ -30,15 +29,6 @@ WAIT_FOR_RANKS = (
     "print(f'pid={os.getpid()} run={os.environ[\"MLFLOW_RUN_ID\"]}', flush=True)\n"
     "time.sleep(300)\n"
 )
-
-
-def _gone_within(pids, seconds=5.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def _run_id_status(run_id: str) -> str:
@@ -88,7 +78,7 @@ def test_interrupt_mid_run(kernel):
     reply = kernel.kc.get_shell_msg(timeout=60)
     assert reply["parent_header"]["msg_id"] == msg_id
     assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "KeyboardInterrupt"
-    assert _gone_within(pids)
+    assert gone_within(pids)
     assert _run_id_status(run_id) == "KILLED"
     reply, _ = kernel.run("1 + 1")
     assert reply["status"] == "ok"
@@ -100,7 +90,7 @@ def test_kernel_restart_mid_run(kernel):
     # restart_kernel waits for the old kernel to go: it runs beside the test, which watches the ranks,
     # and nothing reads the kernel's state until the restart is over and the new kernel answers.
     pids, run_id, _ = _start_and_wait(kernel, kernel.restart_in_background)
-    assert _gone_within(pids)
+    assert gone_within(pids)
     assert kernel.wait_restarted() != old_pid
     assert kernel.run("%load_ext air_magic")[0]["status"] == "ok"
     reply, _ = kernel.run("%%distributed -n 2 --display none\n1\n")
@@ -111,7 +101,7 @@ def test_kernel_restart_mid_run(kernel):
 @fault("kernel SIGKILL mid-run", "every rank gone within 5 s; the run is marked KILLED by the next call")
 def test_kernel_sigkill_mid_run(kernel, tmp_path):
     pids, run_id, _ = _start_and_wait(kernel, lambda: os.kill(kernel.pid, signal.SIGKILL))
-    assert _gone_within(pids)
+    assert gone_within(pids)
     with Kernel(cwd=tmp_path) as fresh:
         reply, _ = fresh.run("%load_ext air_magic")
         reply, _ = fresh.run("%%distributed -n 2 --display none\n1\n")
