@@ -450,15 +450,11 @@ def _write_state(folder: str, state: dict[str, Any]) -> None:
     wire.write_atomically(os.path.join(folder, STATE), json.dumps(state).encode())
 
 
-def _update_state(folder: str, **changes: Any) -> None:
+def update_state(folder: str, **changes: Any) -> None:
+    """Change some fields of the run's state.json (the supervisor, its only writer once it runs)."""
     state = _read_state(folder) or {}
     state.update(changes)
     _write_state(folder, state)
-
-
-def update_state(folder: str, **changes: Any) -> None:
-    """For the supervisor: change some fields of the run's state.json."""
-    _update_state(folder, **changes)
 
 
 def live_gpu_uuids() -> dict[str, str]:
@@ -492,7 +488,7 @@ class RunStateWriter:
 
     def handle(self, event: Event) -> None:
         if isinstance(event, RunStarted):
-            _update_state(self.folder, status="running", log_dir=event.log_dir, run_id=event.run_id)
+            update_state(self.folder, status="running", log_dir=event.log_dir, run_id=event.run_id)
         elif isinstance(event, RunFinished):
             outcome = "cancelled" if event.outcome == "interrupted" else event.outcome
-            _update_state(self.folder, status=outcome, elapsed=event.elapsed, error=event.error)
+            update_state(self.folder, status=outcome, elapsed=event.elapsed, error=event.error)
