@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0 if argv else USAGE_ERROR
-    commands = {"runs": _runs, "logs": _logs, "attach": _attach, "cancel": _cancel}
+    commands = {"runs": _runs, "logs": _logs, "attach": _attach, "cancel": _cancel, "ui": _ui}
     if argv[0] in commands:
         try:
             return commands[argv[0]](argv[1:])
@@ -99,9 +99,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "command",
-        choices=["run", "runs", "logs", "attach", "cancel"],
+        choices=["run", "runs", "logs", "attach", "cancel", "ui"],
         help="run: TARGET on every rank; runs: the recent calls; logs RUN [RANK]: a call's logs; "
-        "attach [RUN]: follow a detached run (run --detach); cancel RUN: stop one",
+        "attach [RUN]: follow a detached run (run --detach); cancel RUN: stop one; "
+        "ui [--run RUN_ID]: the MLflow UI over the store (started if needed)",
     )
     return parser
 
@@ -352,6 +353,44 @@ def _cancel(argv: list[str]) -> int:
         return 0
     print(f"air-magic: run {handle.detached_id} is still stopping", file=sys.stderr)
     return 1
+
+
+def _ui(argv: list[str]) -> int:
+    from air_magic.tracking import ui as mlflow_ui
+    from air_magic.tracking.store import current_uri
+
+    parser = argparse.ArgumentParser(
+        prog="air-magic ui",
+        description="The MLflow UI over a local store: the one server your kernels share, started if "
+        "none runs (on 127.0.0.1; it stops after a day without a call). Prints its address.",
+    )
+    parser.add_argument(
+        "--store", help="the tracking URI (default: MLFLOW_TRACKING_URI, else the embedded store)"
+    )
+    parser.add_argument("--run", metavar="RUN_ID", help="print this MLflow run's page rather than the UI's")
+    parser.add_argument("--stop", action="store_true", help="stop the store's UI server")
+    parser.error = _usage_error  # type: ignore[method-assign]
+    args = parser.parse_args(argv)
+    if importlib.util.find_spec("mlflow") is None:
+        raise UsageError("MLflow is not installed: pip install 'air_magic[mlflow]'")
+    uri = args.store or current_uri()
+    if args.stop:
+        stopped = mlflow_ui.stop_ui(uri)
+        print(f"air-magic: the MLflow UI over {uri} {'stopped' if stopped else 'was not running'}")
+        return 0
+    base = mlflow_ui.ensure_ui(uri)
+    if args.run is None:
+        print(base)
+        return 0
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    try:
+        experiment_id = MlflowClient(tracking_uri=uri).get_run(args.run).info.experiment_id
+    except MlflowException as exc:
+        raise UsageError(f"no MLflow run {args.run!r} in {uri}: {str(exc).splitlines()[0]}") from None
+    print(f"{base}/#/experiments/{experiment_id}/runs/{args.run}")
+    return 0
 
 
 def _read(path: str) -> str | None:

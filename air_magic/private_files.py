@@ -286,7 +286,12 @@ def private_tempdir(kind: str) -> str:
 
 def owner_tag() -> str:
     """This process, in a form that survives pid reuse and shared temp folders: pid-start-space."""
-    return f"{os.getpid()}-{_start_time(os.getpid())}-{_pid_space()}"
+    return process_tag(os.getpid())
+
+
+def process_tag(pid: int) -> str:
+    """Process ``pid`` as :func:`owner_tag` names it (:func:`owner_alive` checks it later)."""
+    return f"{pid}-{_start_time(pid)}-{_pid_space()}"
 
 
 def sweep_dead_callers(folder: str | None = None) -> list[str]:

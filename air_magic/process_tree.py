@@ -1,6 +1,6 @@
 """Stopping processes for good: ask, a grace, then SIGKILL of whole process trees. The one place.
 
-Every process air_magic starts (ranks, the warm starter, the MLflow UI's guard
+Every process air_magic starts (ranks, the warm starter, the MLflow UI's keeper
 and server) leads its own process group (``start_new_session``), so a signal
 to the group reaches it and everything it forked (DataLoader workers,
 compilers). Descendants that left the group (``setsid``) are found with

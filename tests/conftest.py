@@ -42,6 +42,10 @@ def _private_dirs(tmp_path_factory: pytest.TempPathFactory):
     # MLflow: the embedded store in the session's folder; no telemetry file under $HOME.
     os.environ["AIR_MAGIC_MLFLOW_DIR"] = str(tmp_path_factory.mktemp("mlflow"))
     os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"
+    # A call in a kernel starts the store's MLflow UI server, which outlives the kernel: tests of
+    # it (test_mlflow_ui.py, the browser's link test) turn it back on and stop it; others leave
+    # the 2 cores to the ranks.
+    os.environ["AIR_MAGIC_MLFLOW_UI"] = "0"
     # Detached runs' folders (and anything else under the state folder) of the session.
     os.environ["XDG_STATE_HOME"] = str(tmp_path_factory.mktemp("state"))
     tempfile.tempdir = str(runs)

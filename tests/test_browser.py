@@ -55,8 +55,12 @@ def lab(request, tmp_path):
 
 
 @contextlib.contextmanager
-def _jupyterlab(tmp_path, cells):
-    """JupyterLab on 127.0.0.1 serving demo.ipynb made of ``cells``; yields the notebook's URL."""
+def _jupyterlab(tmp_path, cells, base_url="/", env=None):
+    """JupyterLab on 127.0.0.1 serving demo.ipynb made of ``cells``; yields the notebook's URL.
+
+    ``base_url``: where the server's pages are (a JupyterHub user server's is ``/user/NAME/``);
+    ``env``: the server's (and so its kernels') environment, this process's by default.
+    """
     root = tmp_path / "root"
     root.mkdir()
     notebook = {
@@ -77,7 +81,7 @@ def _jupyterlab(tmp_path, cells):
     )
     port, token = _free_port(), secrets.token_hex(16)
     env = dict(
-        os.environ,
+        os.environ if env is None else env,
         JUPYTERLAB_SETTINGS_DIR=str(tmp_path / "lab-settings"),
         JUPYTERLAB_WORKSPACES_DIR=str(tmp_path / "workspaces"),
         JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
@@ -94,13 +98,14 @@ def _jupyterlab(tmp_path, cells):
             "--ServerApp.port_retries=0",
             f"--IdentityProvider.token={token}",
             f"--ServerApp.root_dir={root}",
+            f"--ServerApp.base_url={base_url}",
         ],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
-    base = f"http://127.0.0.1:{port}"
+    base = f"http://127.0.0.1:{port}{base_url.rstrip('/')}"
     deadline = time.monotonic() + 60
     while True:
         try:
@@ -239,28 +244,57 @@ def test_reloading_the_page_mid_run_shows_the_live_tabs_again(tmp_path):
     assert "rank 0 tick 0" in text and "rank 0 through the gate" in text
 
 
-def test_the_run_link_in_the_tabs_opens_the_run_in_a_real_mlflow_ui(tmp_path):
-    """The header's link goes to the call's run in MLflow's own UI (started by %distributed mlflow-ui)."""
+@pytest.mark.parametrize("where", ["loopback", "jupyterhub"])
+def test_the_run_link_in_the_tabs_opens_the_run_in_a_real_mlflow_ui(tmp_path, where, monkeypatch):
+    """The header's link goes to the call's run in MLflow's own UI, which the call started.
+
+    ``jupyterhub``: the server's pages under ``/user/ada/`` as a hub's user server has them, with
+    JUPYTERHUB_SERVICE_PREFIX set: the link goes through jupyter-server-proxy's path, as it must
+    when the browser is not on the kernel's machine.
+    """
     pytest.importorskip("mlflow")
-    cells = [
-        "%load_ext air_magic\n%distributed mlflow-ui",
-        "%%distributed -n 2 --run-name linked-from-the-tabs\nprint('hello')",
-    ]
-    with _jupyterlab(tmp_path, cells) as url, playwright_api.sync_playwright() as p:
-        browser = _chromium(p)
-        try:
-            context = browser.new_context(viewport={"width": 1280, "height": 900})
-            page = context.new_page()
-            _run_both_cells(page, url)  # %load_ext and the UI server (up to 90 s), then the tracked call
-            run = page.locator(".air-magic-run")
-            run.locator(".lm-TabBar-tab").filter(has_text="rank 1 ✓").wait_for(timeout=180_000)
-            link = run.locator("a", has_text="MLflow run")
-            link.wait_for(timeout=30_000)
-            with context.expect_page(timeout=30_000) as opened:
-                link.click()
-            mlflow_page = opened.value
-            mlflow_page.wait_for_selector("text=linked-from-the-tabs", timeout=90_000)
-            title = mlflow_page.title()
-        finally:
-            browser.close()
+    monkeypatch.delenv("AIR_MAGIC_MLFLOW_UI", raising=False)  # the default: a call starts the UI
+    monkeypatch.setenv("AIR_MAGIC_MLFLOW_DIR", str(tmp_path / "mlflow"))
+    env = dict(os.environ)
+    base_url = "/"
+    if where == "jupyterhub":
+        pytest.importorskip("jupyter_server_proxy")
+        base_url = env["JUPYTERHUB_SERVICE_PREFIX"] = "/user/ada/"
+    cells = ["%load_ext air_magic", "%%distributed -n 2 --run-name linked-from-the-tabs\nprint('hello')"]
+    try:
+        with _jupyterlab(tmp_path, cells, base_url, env) as url, playwright_api.sync_playwright() as p:
+            browser = _chromium(p)
+            try:
+                context = browser.new_context(viewport={"width": 1280, "height": 900})
+                page = context.new_page()
+                _run_both_cells(page, url)
+                run = page.locator(".air-magic-run")
+                run.locator(".lm-TabBar-tab").filter(has_text="rank 1 ✓").wait_for(timeout=180_000)
+                link = run.locator("a", has_text="MLflow run")
+                link.wait_for(timeout=30_000)
+                href = link.get_attribute("href")
+                with context.expect_page(timeout=30_000) as opened:
+                    link.click()
+                mlflow_page = opened.value
+                # The server may still be starting (it is never waited for): reload until it answers.
+                deadline = time.monotonic() + 120
+                while not mlflow_page.locator("text=linked-from-the-tabs").count():
+                    assert time.monotonic() < deadline, f"{mlflow_page.url} did not show the run"
+                    time.sleep(2)
+                    if "MLflow" not in mlflow_page.title():
+                        with contextlib.suppress(playwright_api.Error):  # not listening yet
+                            mlflow_page.reload()
+                title = mlflow_page.title()
+                opened_url = mlflow_page.url
+            finally:
+                browser.close()
+    finally:
+        from air_magic import paths
+        from air_magic.tracking import ui as mlflow_ui
+
+        mlflow_ui.stop_ui(paths.embedded_mlflow_uri())
+    if where == "jupyterhub":
+        assert href.startswith("/user/ada/proxy/") and "/user/ada/proxy/" in opened_url, (href, opened_url)
+    else:
+        assert href.startswith("http://127.0.0.1:"), href
     assert "MLflow" in title

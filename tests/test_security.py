@@ -253,14 +253,14 @@ def test_the_ui_server_log_and_everything_it_writes_are_private(store, tmp_path,
     monkeypatch.setenv("AIR_MAGIC_MLFLOW_DIR", str(tmp_path / "fresh"))  # a store MLflow has not opened yet
 
     try:
-        base = mlflow_ui.start_ui(paths.embedded_mlflow_uri())
+        base = mlflow_ui.ensure_ui(paths.embedded_mlflow_uri())
         distributed(num_accelerators=2, display="none")(_quiet).distributed()
         import urllib.request
 
         with urllib.request.urlopen(f"{base}/health", timeout=10) as reply:
             assert reply.status == 200
     finally:
-        mlflow_ui.stop_ui()
+        mlflow_ui.stop_ui(paths.embedded_mlflow_uri())
     assert os.path.exists(os.path.join(paths.embedded_mlflow_dir(), "ui.log"))
     assert _modes_under(paths.embedded_mlflow_dir()) == []
 

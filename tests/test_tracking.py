@@ -161,7 +161,7 @@ def test_without_mlflow_installed_calls_run_untracked_with_one_note(tmp_path):
 
 def test_a_started_ui_serves_the_embedded_store_and_works_as_an_http_tracking_server(store, monkeypatch):
     try:
-        base = mlflow_ui.start_ui(paths.embedded_mlflow_uri())  # a real `mlflow server` on 127.0.0.1
+        base = mlflow_ui.ensure_ui(paths.embedded_mlflow_uri())  # a real `mlflow server` on 127.0.0.1
         assert base.startswith("http://127.0.0.1:")
         # 1. The embedded store: once the UI runs, a call's link points at it, and it opens.
         distributed(num_accelerators=2, display="none")(_quiet).distributed()
@@ -189,7 +189,7 @@ def test_a_started_ui_serves_the_embedded_store_and_works_as_an_http_tracking_se
         run = MlflowClient(base).get_run(run_id)
         assert run.data.metrics["rank1_seen"] == 1 and run.data.metrics["rank0_after_end"] == 1.0
     finally:
-        mlflow_ui.stop_ui()
+        mlflow_ui.stop_ui(paths.embedded_mlflow_uri())
 
 
 def test_the_cell_magic_names_experiment_and_run_and_can_turn_tracking_off(store, ip):

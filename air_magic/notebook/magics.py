@@ -193,7 +193,7 @@ _HELP = """%distributed status        the last run: outcome, time, each rank's s
 %distributed attach [RUN]  re-open a detached run (default: the newest running): output so far, then live
 %distributed settings      what this machine has, where logs go
 %distributed restart       rebuild the warm starter (it also rebuilds itself after package changes)
-%distributed mlflow-ui     start an MLflow UI on 127.0.0.1 over the local store; runs link to it
+%distributed mlflow-ui     the MLflow UI over the local store (shared by your kernels; started if needed)
 %%distributed [options]    run the cell on every rank (%%distributed? lists the options)"""
 
 
@@ -355,7 +355,7 @@ def _mlflow_ui() -> Any:
         raise UsageError("MLflow is not installed: pip install 'air_magic[mlflow]'")
 
     uri = current_uri()
-    base = mlflow_ui.start_ui(uri)
+    base = mlflow_ui.ensure_ui(uri)
     from IPython.display import HTML, display
 
     display(HTML(f'<a href="{base}" target="_blank">MLflow UI</a> on {base} (store {uri})'))

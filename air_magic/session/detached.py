@@ -187,9 +187,14 @@ def _facts_for_elsewhere(facts: Any) -> Any:
 
 def _supervisor_env() -> dict[str, str]:
     """This process's environment, with the MLflow store and experiment it would use said
-    explicitly (mlflow.set_tracking_uri() and set_experiment() live in this process only)."""
+    explicitly (mlflow.set_tracking_uri() and set_experiment() live in this process only), and
+    whether a kernel's call would start the store's MLflow UI (tracking/ui.py)."""
     env = dict(os.environ)
     from air_magic.tracking import store
+    from air_magic.tracking import ui as mlflow_ui
+
+    if mlflow_ui.auto_start_allowed():  # started from a notebook: its run link opens, as a call's does
+        env[mlflow_ui.AUTO_ENV] = "1"
 
     chosen = store.active_experiment_id()  # mlflow.set_experiment() in this process
     if chosen is not None and "MLFLOW_EXPERIMENT_ID" not in env:

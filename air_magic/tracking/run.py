@@ -95,7 +95,12 @@ class TrackedRun:
     ended: threading.Event = field(default_factory=threading.Event, repr=False)
 
     def describe(self) -> str:
-        where = self.url or f"{self.tracking_uri} (%distributed mlflow-ui opens it in a browser)"
+        from air_magic.tracking import ui as mlflow_ui
+
+        where = (
+            self.url
+            or f"{self.tracking_uri} (to open it: {mlflow_ui.open_command(self.tracking_uri, self.run_id)})"
+        )
         return f"MLflow run {self.run_id} in experiment {self.experiment_id}: {where}"
 
     def link(self) -> RecordLink:
@@ -378,11 +383,20 @@ def _describe_call(tracked: TrackedRun, call: CallFacts) -> None:
     if os.environ.get(env_names.METRICS_MODE, "batched") != "direct":
         metrics = MetricWriter(client, run_id, private_files.private_tempdir("metrics"))  # 0700
         env[env_names.METRICS_DIR] = metrics.directory
-    from air_magic.tracking import ui as mlflow_ui
-
-    tracked.url = mlflow_ui.run_url(uri, experiment_id, run_id)
+    tracked.url = _link(uri, experiment_id, run_id)
     tracked.env = env
     tracked.metrics = metrics
+
+
+def _link(uri: str, experiment_id: str, run_id: str) -> str | None:
+    """The run's address for a browser (None: the text names the command that opens it)."""
+    from air_magic.tracking import ui as mlflow_ui
+
+    try:
+        return mlflow_ui.run_url(uri, experiment_id, run_id)
+    except Exception as exc:  # noqa: BLE001 - a UI that cannot start must never stop the call
+        _warn(f"the MLflow UI could not be started, so the run has no link: {exc}")
+        return None
 
 
 def end_live_runs() -> None:

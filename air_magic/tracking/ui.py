@@ -1,16 +1,36 @@
-"""Links to a call's MLflow run, and a real MLflow UI server over the embedded store.
+"""Links to a call's MLflow run, and the one MLflow UI server each local store shares.
 
-With an HTTP tracking URI the link points at that server. With a local store
-(the embedded sqlite one) there is no page to link to until
-``%distributed mlflow-ui`` (or :func:`start_ui`) starts ``mlflow server`` on
-127.0.0.1 on a free port, in the background, under ``air_magic.tracking.guard`` so it
-stops when this process ends; from then on runs link to it. The server runs
-with umask 077 and logs to a 0600 ``ui.log``: what it writes beside the
-embedded store is private like the store (docs/security.md).
+Where it sits: ``tracking/run.py`` asks :func:`run_url` for a call's link on the
+run's owner thread, once the run exists. With an HTTP tracking URI the link is that
+server's page. With a local store (the embedded sqlite one, or a store of the
+user's that is not a server) the link goes to a UI server over that store:
+
+- **one per store** for this user, shared by every kernel, script and detached run
+  on the machine: ``ui.json`` in the store's UI folder names its keeper
+  (``ui_server.py``: pid, start, pid namespace) and port, read and written under
+  ``ui.lock``, so two kernels never start two servers;
+- **started by a call in a Jupyter kernel** (:func:`auto_start_allowed`), never
+  waiting for it: the port is chosen first, so the link is known at once and opens
+  as soon as MLflow answers (seconds later). Elsewhere (a script, IPython in a
+  terminal) an existing server is linked to, and otherwise the text names the
+  command that opens the UI (:func:`open_command`);
+- **it outlives the kernel**, by design: a restarted kernel, another notebook and
+  an old cell's link all reach the same server. Its keeper stops it after a day
+  without a call (``ui_server.IDLE_S``), or on ``air-magic ui --stop``.
+
+The address in the link: ``http://127.0.0.1:PORT``; behind JupyterHub with
+jupyter-server-proxy installed, the proxy's path (``/user/NAME/proxy/PORT/``);
+``AIR_MAGIC_MLFLOW_UI_URL`` (a template with ``{port}``) overrides both.
+``AIR_MAGIC_MLFLOW_UI=0`` turns the automatic start off, ``=1`` on everywhere.
+Security (docs/security.md): loopback only, umask 077, and no automatic start where
+other users' processes are visible, since loopback is shared with them.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import importlib.util
 import os
 import socket
 import subprocess
@@ -19,95 +39,272 @@ import time
 import urllib.request
 
 from air_magic import paths, private_files
-from air_magic.process_tree import stop_trees
+from air_magic.tracking import ui_server
 
-_servers: dict[str, str] = {}  # tracking URI -> UI base URL
-_lifelines: list[int] = []  # write ends, held open for this process's lifetime
-_guards: list[subprocess.Popen[bytes]] = []
-GUARD_EXIT_S = 15.0  # a guard gives its server 3 s after SIGTERM; mlflow's workers may take longer
+AUTO_ENV = "AIR_MAGIC_MLFLOW_UI"  # 0: never start one on its own; 1: start one even outside a kernel
+URL_ENV = "AIR_MAGIC_MLFLOW_UI_URL"  # the browser's address of the server, "{port}" filled in
+PORT_REUSE_WAIT_S = 1.0  # a start is rare (once a day, say): a second for the old port is cheap
+STOP_WAIT_S = 20.0  # the keeper gives the server ui_server.GRACE_S, then kills it; this covers both
+# A login account, not a system daemon's: the default of /etc/login.defs' UID_MIN on every
+# mainstream distribution. nobody (65534) is a daemon's too.
+FIRST_LOGIN_UID = 1000
+NOBODY_UID = 65534
+_keepers: list[subprocess.Popen[bytes]] = []  # keepers this process started
+
+
+def is_server(uri: str) -> bool:
+    """A tracking URI that is itself a server (its own pages); anything else is a store we can serve."""
+    return uri.startswith(("http://", "https://", "databricks"))
 
 
 def run_url(uri: str, experiment_id: str, run_id: str) -> str | None:
-    base = uri.rstrip("/") if uri.startswith(("http://", "https://")) else _servers.get(uri)
-    if base is None:
-        return None
-    return f"{base}/#/experiments/{experiment_id}/runs/{run_id}"
+    """The browser's address of the run: on the tracking server, or on the store's UI server.
 
-
-def start_ui(uri: str, timeout_s: float = 90.0) -> str:
-    """Start (once) an MLflow UI server for ``uri`` on loopback; return its base URL.
-
-    ``timeout_s``: ``mlflow server`` takes seconds to answer (it imports MLflow and its server
-    app, and migrates an old store first); 90 s leaves room for a loaded machine.
+    Starts that UI server when none runs and :func:`auto_start_allowed` says so; touches it
+    otherwise (a call keeps it from being stopped as idle). None: no server to link to.
     """
-    if uri in _servers:
-        return _servers[uri]
-    if uri.startswith(("http://", "https://")):
-        return uri.rstrip("/")
-    folder = private_files.private_root(
-        paths.embedded_mlflow_dir(),
-        "the embedded MLflow store's folder",
-        "Set AIR_MAGIC_MLFLOW_DIR to a folder only you can write",
-    )
-    log_path = os.path.join(folder, paths.MLFLOW_UI_LOG)
-    port = _free_port()
-    artifacts = private_files.private_subfolder(os.path.join(folder, paths.MLFLOW_SERVED_ARTIFACTS))
-    command = [
-        sys.executable, "-m", "mlflow", "server",
-        "--backend-store-uri", uri,
-        # Artifacts of experiments created through this server go beside the store, not into
-        # whatever folder the notebook runs in (MLflow's default is ./mlartifacts).
-        "--artifacts-destination", "file://" + artifacts,
-        "--host", "127.0.0.1", "--port", str(port),
-        "--workers", "1",
-    ]  # fmt: skip
-    lifeline, keep = os.pipe()
-    _lifelines.append(keep)
+    fragment = f"#/experiments/{experiment_id}/runs/{run_id}"
+    if is_server(uri):
+        return f"{uri.rstrip('/')}/{fragment}"
+    port = server_port(uri, start=auto_start_allowed())
+    return None if port is None else f"{browser_base(port)}/{fragment}"
+
+
+def open_command(uri: str, run_id: str) -> str:
+    """The command that opens a run of a local store in a browser (named where there is no link)."""
+    store = "" if uri == paths.embedded_mlflow_uri() else f" --store '{uri}'"
+    return f"air-magic ui{store} --run {run_id}"
+
+
+def server_port(uri: str, *, start: bool) -> int | None:
+    """The port of the UI server over ``uri`` (started first when ``start``), touched as in use."""
+    folder = ui_folder(uri)
+    fd = ui_server.locked(folder)
     try:
-        with open(log_path, "ab", opener=private_files.opener) as log:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "air_magic.tracking.guard", str(lifeline), "--", *command],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=log,
-                pass_fds=(lifeline,),
-                start_new_session=True,
-                cwd=folder,
-                umask=0o077,  # what the server writes (artifacts of its experiments) is the user's alone
-            )
+        record = _live_record(folder, uri)
+        if record is None and not start:
+            return None
+        if record is None:
+            record = _start(folder, uri)
+        os.utime(os.path.join(folder, paths.MLFLOW_UI_STATE))  # in use: not idle
+        return int(record["port"])  # type: ignore[call-overload]
     finally:
-        os.close(lifeline)
-    _guards.append(proc)
-    base = f"http://127.0.0.1:{port}"
+        os.close(fd)
+
+
+def ensure_ui(uri: str, timeout_s: float = 90.0) -> str:
+    """Start (or find) the UI server over ``uri`` and wait until it answers; its browser address.
+
+    For ``%distributed mlflow-ui`` and ``air-magic ui``, which say "it is up" only once it is.
+    ``timeout_s``: ``mlflow server`` takes seconds to answer (it imports MLflow and its
+    server app); 90 s leaves room for a loaded machine.
+    """
+    if is_server(uri):
+        return uri.rstrip("/")
+    log_path = os.path.join(ui_folder(uri), paths.MLFLOW_UI_LOG)  # made first: the store lock is in it
+    _make_tables(uri)
+    port = server_port(uri, start=True)
+    assert port is not None
     deadline = time.monotonic() + timeout_s
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the MLflow UI server exited with status {proc.returncode}; see {log_path}")
-        try:
-            # 2 s: a loopback server that is up answers at once; one that hangs is asked again.
-            with urllib.request.urlopen(f"{base}/health", timeout=2) as reply:
-                if reply.status == 200:
-                    break
-        except OSError:
-            pass
+    while not _answers(port):
+        if server_port(uri, start=False) != port:
+            raise RuntimeError(f"the MLflow UI server over {uri} stopped while starting; see {log_path}")
         if time.monotonic() > deadline:
             raise RuntimeError(f"the MLflow UI server did not answer within {timeout_s:g} s; see {log_path}")
         time.sleep(0.2)  # 5 polls a second: ready soon after the server is, at negligible cost
-    _servers[uri] = base
-    return base
+    return browser_base(port)
 
 
-def _free_port() -> int:
-    # The kernel picks a free port; mlflow binds it a moment later (a small window, on loopback).
+def stop_ui(uri: str) -> bool:
+    """Stop the UI server over ``uri`` (its keeper stops the server and forgets it); False: none ran."""
+    folder = ui_folder(uri)
+    fd = ui_server.locked(folder)
+    try:
+        record = _live_record(folder, uri)
+    finally:
+        os.close(fd)
+    if record is None:
+        return False
+    pid = int(str(record["keeper"]).split("-", 1)[0])
+    try:
+        os.kill(pid, 15)
+    except ProcessLookupError:
+        return True
+    deadline = time.monotonic() + STOP_WAIT_S
+    while private_files.owner_alive(str(record["keeper"])) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return True
+
+
+def browser_base(port: int) -> str:
+    """Where a browser finds the server on ``port`` (see the module's docstring)."""
+    template = os.environ.get(URL_ENV)
+    if template:
+        return template.replace("{port}", str(port)).rstrip("/")
+    prefix = os.environ.get("JUPYTERHUB_SERVICE_PREFIX")
+    if prefix and importlib.util.find_spec("jupyter_server_proxy") is not None:
+        # The hub's user server proxies /user/NAME/proxy/PORT/ to 127.0.0.1:PORT; the browser
+        # that shows the notebook reaches that path, never the server's loopback.
+        return f"{prefix.rstrip('/')}/proxy/{port}"
+    return f"http://127.0.0.1:{port}"
+
+
+def auto_start_allowed() -> bool:
+    """Whether a call may start the store's UI server on its own (see the module's docstring)."""
+    chosen = os.environ.get(AUTO_ENV, "").strip().lower()
+    if chosen in ("0", "false", "no", "off"):
+        return False
+    if chosen in ("1", "true", "yes", "on"):
+        return True
+    return _in_kernel() and not other_users()
+
+
+def _in_kernel() -> bool:
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    return shell is not None and getattr(shell, "kernel", None) is not None
+
+
+@functools.lru_cache(maxsize=1)
+def other_users() -> tuple[int, ...]:
+    """Login accounts other than ours with processes on this machine (once per process).
+
+    They share loopback with us, so a server there would show them our store. Processes of
+    others that /proc hides (``hidepid``) are not seen: such a machine counts as ours alone.
+    """
+    import psutil
+
+    mine = os.getuid()
+    found = set()
+    for proc in psutil.process_iter(["uids"]):
+        uids = proc.info.get("uids")
+        if uids is not None and FIRST_LOGIN_UID <= uids.real != NOBODY_UID and uids.real != mine:
+            found.add(uids.real)
+    return tuple(sorted(found))
+
+
+def ui_folder(uri: str) -> str:
+    """The folder of ``uri``'s UI server: the embedded store's own, else one per store under state."""
+    if uri == paths.embedded_mlflow_uri():
+        folder = paths.embedded_mlflow_dir()
+    else:
+        folder = paths.state_dir(paths.MLFLOW_UI_DIR, hashlib.sha256(uri.encode()).hexdigest()[:16])
+    return private_files.private_root(
+        folder,
+        "the MLflow UI server's folder",
+        "Set XDG_STATE_HOME or AIR_MAGIC_MLFLOW_DIR to a folder only you can write",
+    )
+
+
+def _live_record(folder: str, uri: str) -> dict[str, object] | None:
+    """ui.json's server, if its keeper still runs and it serves ``uri``. Called under ui.lock."""
+    record = ui_server.read_record(folder)
+    if record is None or record.get("uri") != uri or not isinstance(record.get("port"), int):
+        return None
+    keeper = record.get("keeper")
+    return record if isinstance(keeper, str) and private_files.owner_alive(keeper) else None
+
+
+def _start(folder: str, uri: str) -> dict[str, object]:
+    """Start a keeper and its server, and record them in ui.json. Called under ui.lock."""
+    previous = ui_server.read_record(folder) or {}
+    _stop_leftovers(previous)
+    port = _free_port(previous.get("port"))
+    with open(os.path.join(folder, paths.MLFLOW_UI_LOG), "ab", opener=private_files.opener) as log:
+        keeper = subprocess.Popen(
+            [sys.executable, "-m", "air_magic.tracking.ui_server", folder, uri, str(port)],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            cwd=folder,
+            start_new_session=True,  # not the kernel's: it outlives it, and a Ctrl-C there is not for it
+        )
+    record: dict[str, object] = {
+        "keeper": private_files.process_tag(keeper.pid),
+        "port": port,
+        "uri": uri,
+        "started": time.time(),
+    }
+    ui_server.write_record(folder, record)
+    # Not waited for: it runs on in its own session. Kept, so that it is reaped (not left a
+    # zombie) if it ends while this process lives.
+    _keepers[:] = [k for k in _keepers if k.poll() is None] + [keeper]
+    return record
+
+
+def _stop_leftovers(previous: dict[str, object]) -> None:
+    """A server whose keeper was killed (no one stops it now): kill its group, to free its port.
+
+    Only processes of this user in the recorded group that started after the record did: a
+    group id reused since then by another program is never touched.
+    """
+    group, started, keeper = previous.get("group"), previous.get("started"), previous.get("keeper")
+    if not isinstance(group, int) or not isinstance(started, (int, float)) or not isinstance(keeper, str):
+        return
+    if private_files.owner_alive(keeper):
+        return  # it still looks after its server
+    import psutil
+
+    killed = []
+    for proc in psutil.process_iter(["uids", "create_time"]):
+        try:
+            if (
+                proc.info["uids"].real == os.getuid()
+                and proc.info["create_time"] >= started - 1  # psutil's clock: 1 s of slack
+                and os.getpgid(proc.pid) == group
+            ):
+                proc.kill()
+                killed.append(proc)
+        except (psutil.Error, OSError):
+            continue
+    psutil.wait_procs(killed, timeout=5)  # gone (their port free) before a new server takes it
+
+
+def _free_port(previous: object) -> int:
+    """The port the store's last server had, when free (old links work again), else any free one.
+
+    The previous port gets :data:`PORT_REUSE_WAIT_S`: a server that just died may still be
+    tearing down its listening socket. The kernel picks the port; mlflow binds it a moment
+    later (a small window, on loopback).
+    """
+    if isinstance(previous, int):
+        deadline = time.monotonic() + PORT_REUSE_WAIT_S
+        while True:
+            if _bindable(previous):
+                return previous
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
-def stop_ui() -> None:
-    """Stop every UI server this process started (they also stop when it exits)."""
-    while _lifelines:
-        os.close(_lifelines.pop())  # EOF: each guard stops its server (SIGTERM, grace, SIGKILL)
-    guards, _guards[:] = list(_guards), []
-    stop_trees(guards, GUARD_EXIT_S, ask=None)
-    _servers.clear()
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        # As uvicorn binds it: a port whose old connections linger in TIME_WAIT is free.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def _answers(port: int) -> bool:
+    try:
+        # 2 s: a loopback server that is up answers at once; one that hangs is asked again.
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as reply:
+            return bool(reply.status == 200)
+    except OSError:
+        return False
+
+
+def _make_tables(uri: str) -> None:
+    """Open the store once, under its setup lock: the server must not build its tables beside a call."""
+    from mlflow.tracking import MlflowClient
+
+    from air_magic.tracking import store
+
+    with store.setup_lock(uri):
+        MlflowClient(tracking_uri=uri)
