@@ -33,6 +33,8 @@ from air_magic.errors import (
 # package, and should not pay for the launcher, the displays and tracking (about 0.1 s).
 _LAZY = {
     "AcceleratorType": "air_magic.launch.accelerators",
+    "runtime": "air_magic.runtime",  # a module: air_magic.runtime.get_rank()...
+    "GPUType": "air_magic.launch.accelerators",
     "DistributedFunction": "air_magic.decorator",
     "distributed": "air_magic.decorator",
     "RunInfo": "air_magic.session.history",
@@ -47,9 +49,10 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:
+    from air_magic import runtime
     from air_magic.backends.ray.cluster import ray_init
     from air_magic.decorator import DistributedFunction, distributed, ray_launch
-    from air_magic.launch.accelerators import AcceleratorType
+    from air_magic.launch.accelerators import AcceleratorType, GPUType
     from air_magic.session.background import RunHandle
     from air_magic.session.call import restart_warm_start
     from air_magic.session.detached import attach, runs
@@ -63,13 +66,35 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module 'air_magic' has no attribute {name!r}")
     import importlib
 
-    value = getattr(importlib.import_module(module), name)
+    value = importlib.import_module(module)
+    if module != f"{__name__}.{name}":  # a name in a module, not the module itself
+        value = getattr(value, name)
     globals()[name] = value  # once: later lookups do not come here
     return value
 
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
+
+
+def get_changelog() -> str:
+    """What changed in each version of air_magic (CHANGELOG.md), newest first."""
+    import os
+
+    # A source checkout has the file beside the package; an installed copy carries it in its
+    # metadata's description (pyproject.toml joins README.md and CHANGELOG.md).
+    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "CHANGELOG.md")
+    if os.path.exists(here):
+        with open(here, encoding="utf-8") as f:
+            return f.read()
+    from importlib.metadata import PackageNotFoundError, metadata
+
+    try:
+        description = metadata("air_magic").get_payload()  # type: ignore[attr-defined]
+    except PackageNotFoundError:
+        return ""
+    start = str(description or "").find("# Changelog")
+    return "" if start < 0 else str(description)[start:]
 
 
 def load_ipython_extension(ipython: object) -> None:
@@ -96,6 +121,7 @@ __all__ = [
     "DirectCallError",
     "DistributedFunction",
     "DistributedTimeoutError",
+    "GPUType",
     "LaunchError",
     "PayloadError",
     "RankFailedError",
@@ -105,6 +131,7 @@ __all__ = [
     "__version__",
     "attach",
     "distributed",
+    "get_changelog",
     "init_process_group",
     "last_run",
     "load_ipython_extension",
@@ -112,5 +139,6 @@ __all__ = [
     "ray_launch",
     "restart_warm_start",
     "runs",
+    "runtime",
     "unload_ipython_extension",
 ]

@@ -17,12 +17,14 @@ from typing import Any, Generic, TypeVar, overload
 from air_magic.errors import ConfigurationError, DirectCallError
 from air_magic.launch.accelerators import AcceleratorType
 from air_magic.launch.payload import remember_module_file
-from air_magic.launch.settings import _UNSET, LaunchSettings, make_settings
+from air_magic.launch.settings import DEFAULTS, LaunchSettings, make_settings, unset
 from air_magic.session.background import RunHandle
 from air_magic.session.call import prepare_call, run_call, start_async
 from air_magic.session.ray_driver import run_as_driver
 
 R = TypeVar("R")
+# A keyword left out, shown in help() and editors as the setting's real default.
+_LEFT_OUT = {name: unset(default) for name, default in DEFAULTS.items()}
 
 
 _ANY_ARGUMENTS = inspect.Signature(
@@ -57,6 +59,24 @@ class DistributedFunction(Generic[R]):
 
     def __repr__(self) -> str:
         return f"<distributed {getattr(self.func, '__qualname__', self.func)!r} {self.settings!r}>"
+
+    @property
+    def num_accelerators(self) -> int | None:
+        """The ranks asked for (None: every visible GPU, or 2 CPU ranks without one)."""
+        return self.settings.num_accelerators
+
+    @property
+    def accelerator_type(self) -> str | None:
+        """The accelerator type asked for, as ``GPU_<n>x<MODEL>`` (None: detected at each call).
+
+        A legacy model-only value (``'H100'``) takes its count from ``num_accelerators``; ``N``
+        when that is left out too (any count of that model)."""
+        spec = self.settings.accelerator_type
+        if spec is None:
+            return None
+        if spec.count is None and self.settings.num_accelerators is not None:
+            return f"GPU_{self.settings.num_accelerators}x{spec.model}"
+        return spec.name
 
     def with_overrides(self, **changes: Any) -> DistributedFunction[R]:
         """A new wrapper around the same function with some settings changed."""
@@ -103,6 +123,9 @@ def distributed(
     cluster: str | None = None,
     share_gpus: bool = ...,
     detach: bool = ...,
+    run_id: str | None = None,
+    system_metrics: bool = ...,
+    remote: bool = False,
 ) -> Callable[[Callable[..., R]], DistributedFunction[R]]: ...
 
 
@@ -112,21 +135,24 @@ def distributed(
 def distributed(
     num_accelerators: Any = None,
     accelerator_type: Any = None,
-    timeout: Any = _UNSET,
+    timeout: Any = _LEFT_OUT["timeout"],
     *,
     gpus: Any = None,
     gpu_type: Any = None,
-    display: Any = _UNSET,
+    display: Any = _LEFT_OUT["display"],
     env: Any = None,
     log_dir: Any = None,
-    max_payload_bytes: Any = _UNSET,
-    tracking: Any = _UNSET,
+    max_payload_bytes: Any = _LEFT_OUT["max_payload_bytes"],
+    tracking: Any = _LEFT_OUT["tracking"],
     experiment: Any = None,
     run_name: Any = None,
-    warm_start: Any = _UNSET,
+    warm_start: Any = _LEFT_OUT["warm_start"],
     cluster: Any = None,
-    share_gpus: Any = _UNSET,
-    detach: Any = _UNSET,
+    share_gpus: Any = _LEFT_OUT["share_gpus"],
+    detach: Any = _LEFT_OUT["detach"],
+    run_id: Any = None,
+    system_metrics: Any = _LEFT_OUT["system_metrics"],
+    remote: Any = False,
 ) -> Any:
     """Decorate a training function to run once per GPU (or CPU rank) via ``fn.distributed(...)``.
 
@@ -159,6 +185,13 @@ def distributed(
     - ``experiment``: the MLflow experiment. Default: MLflow's own, else the notebook's
       or script's name.
     - ``run_name``: the MLflow run's name. Default: MLflow's.
+    - ``run_id``: an existing MLflow run to record this call in (resume it) instead of a new
+      run. Default: a new run (MLFLOW_RUN_ID set here resumes that run).
+    - ``system_metrics``: log this machine's CPU, memory, disk, network and GPU use to the run
+      under system/ (every MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL seconds, 10 by default).
+      Default True.
+    - ``remote``: the seed's switch for its pool of remote GPUs. ``False`` (its local mode) is
+      what this is; ``True`` is refused with a pointer to ``cluster='ray'`` and ``air-magic run``.
     """
     if callable(num_accelerators) and not isinstance(num_accelerators, AcceleratorType):
         # Bare @distributed: the function came as the first argument.
@@ -180,6 +213,9 @@ def distributed(
         cluster=cluster,
         share_gpus=share_gpus,
         detach=detach,
+        run_id=run_id,
+        system_metrics=system_metrics,
+        remote=remote,
     )
 
     def decorate(func: Callable[..., R]) -> DistributedFunction[R]:

@@ -16,6 +16,7 @@ PUBLIC = [
     "DirectCallError",
     "DistributedFunction",
     "DistributedTimeoutError",
+    "GPUType",
     "LaunchError",
     "PayloadError",
     "RankFailedError",
@@ -25,6 +26,7 @@ PUBLIC = [
     "__version__",
     "attach",
     "distributed",
+    "get_changelog",
     "init_process_group",
     "last_run",
     "load_ipython_extension",
@@ -32,6 +34,7 @@ PUBLIC = [
     "ray_launch",
     "restart_warm_start",
     "runs",
+    "runtime",
     "unload_ipython_extension",
 ]
 

@@ -26,7 +26,7 @@ from air_magic.launch.settings import DEFAULTS, SETTINGS, LaunchSettings, make_s
 from air_magic.notebook import magics
 from air_magic.session import call as session
 
-LEGACY = {"gpus", "gpu_type"}
+LEGACY = {"gpus", "gpu_type", "remote"}  # the seed's names, not settings
 MAGIC_ONLY = {"--push", "--pull", "--no-pull", "--cold", "--background"}
 SEED_POSITIONAL = ["num_accelerators", "accelerator_type", "timeout"]
 
@@ -47,10 +47,13 @@ EVERY_SETTING = (
         "detach": False,  # True with cluster= is refused (a local supervisor): --no-detach here
         "experiment": "exp",
         "run_name": "run-1",
+        "run_id": "0123abcd",
+        "system_metrics": False,
     },
     "-n 3 --accelerator-type GPU_2xH200 --timeout 12.5 --display text --env A=1 --env B=x=y "
     "--log-dir /tmp/air_magic-schema-logs --max-payload-bytes 1024 --no-tracking --no-warm-start "
-    "--cluster ray=127.0.0.1:6379 --share-gpus --no-detach --experiment exp --run-name run-1",
+    "--cluster ray=127.0.0.1:6379 --share-gpus --no-detach --experiment exp --run-name run-1 "
+    "--run-id 0123abcd --no-system-metrics",
 )
 
 

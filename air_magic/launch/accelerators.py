@@ -35,6 +35,21 @@ class AcceleratorType(str, enum.Enum):
         return self.value
 
 
+class GPUType(str, enum.Enum):
+    """The seed's older ``gpu_type`` values (``serverless_gpu.GPUType``): a GPU model, no count.
+
+    Still accepted as ``accelerator_type`` (or ``gpu_type``) with a FutureWarning naming the
+    ``GPU_<n>x<MODEL>`` type that replaces it.
+    """
+
+    A10 = "A10"
+    H100 = "H100"
+    B300 = "B300"
+
+    def __str__(self) -> str:
+        return self.value
+
+
 # Legacy ``gpu_type`` values (serverless_gpu) and the type that replaces each.
 LEGACY_TYPES: dict[str, str] = {
     "a10": "GPU_1xA10",

@@ -32,7 +32,23 @@ DEFAULT_TIMEOUT = 10800.0  # the seed's 3 hours
 DEFAULT_MAX_PAYLOAD_BYTES = 512 * 2**20
 DISPLAY_MODES = ("auto", "tabs", "text", "rank0", "none")
 
-_UNSET: Any = object()
+
+class Unset:
+    """A keyword the caller left out; shows as the real default in ``help()`` and editors."""
+
+    def __init__(self, shown: str) -> None:
+        self._shown = shown
+
+    def __repr__(self) -> str:
+        return self._shown
+
+
+_UNSET: Any = Unset("<default>")
+
+
+def unset(default: Any) -> Any:
+    """The left-out marker of a keyword whose default is ``default`` (for signatures)."""
+    return Unset(repr(default))
 
 
 # Validators: take what the user gave (any type), return the stored value or raise ConfigurationError.
@@ -118,6 +134,14 @@ def _check_payload_limit(value: Any) -> int:
 def _check_bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise ConfigurationError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def _check_run_id(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip() or any(c.isspace() for c in value):
+        raise ConfigurationError(f"run_id must be an MLflow run id (a string without spaces), got {value!r}")
     return value
 
 
@@ -341,6 +365,28 @@ class LaunchSettings:
             )
         ),
     )
+    run_id: str | None = field(
+        default=None,
+        metadata=_about(
+            Setting(
+                help="an existing MLflow run to record this call in (resume it) instead of a new run",
+                check=_check_run_id,
+                metavar="RUN_ID",
+                default_text="a new run (MLFLOW_RUN_ID set here resumes that run)",
+            )
+        ),
+    )
+    system_metrics: bool = field(
+        default=True,
+        metadata=_about(
+            Setting(
+                help="log this machine's CPU, memory, disk, network and GPU use to the run under system/ "
+                "(every MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL seconds, 10 by default)",
+                check=functools.partial(_check_bool, "system_metrics"),
+                switch=True,
+            )
+        ),
+    )
 
     # The user's own spelling of every setting, so overrides re-validate as one.
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -362,7 +408,7 @@ _LEGACY_NAMES = {"gpus": "num_accelerators", "gpu_type": "accelerator_type"}
 
 def make_settings(base: Mapping[str, Any] | None = None, **given: Any) -> LaunchSettings:
     """Validate ``given`` (keyword settings, legacy names allowed) on top of ``base``."""
-    given = {k: v for k, v in given.items() if v is not _UNSET}
+    given = {k: v for k, v in given.items() if not isinstance(v, Unset)}
     given = _translate_legacy(given)
     raw = {**(base or {}), **given}
     unknown = set(raw) - set(SETTINGS)
@@ -382,6 +428,12 @@ def make_settings(base: Mapping[str, Any] | None = None, **given: Any) -> Launch
 def _translate_legacy(given: dict[str, Any]) -> dict[str, Any]:
     """Map ``gpus``/``gpu_type`` and legacy type values to today's names, with one FutureWarning."""
     out = dict(given)
+    if out.pop("remote", False):
+        raise ConfigurationError(
+            "remote=True (the hosted product's pool of remote GPUs) has no equivalent here: ranks run "
+            "on this machine. For other machines use cluster='ray' (docs/ray.md), or run "
+            "`air-magic run script.py` on the machine that has the GPUs"
+        )
     replacements: list[str] = []
     for old, new in _LEGACY_NAMES.items():
         if old not in out:
@@ -401,7 +453,14 @@ def _translate_legacy(given: dict[str, Any]) -> dict[str, Any]:
         if spec is not None and spec.legacy:
             from air_magic.launch.accelerators import LEGACY_TYPES
 
-            replacements.append(f"{str(accel)!r} -> {LEGACY_TYPES[str(accel).strip().lower()]!r}")
+            count = out.get("num_accelerators")
+            # A legacy value named a model only; with a count given, the type that says both.
+            suggested = (
+                f"GPU_{count}x{spec.model}"
+                if isinstance(count, int) and not isinstance(count, bool) and count > 0
+                else LEGACY_TYPES[str(accel).strip().lower()]
+            )
+            replacements.append(f"{str(accel)!r} -> {suggested!r}")
     if replacements:
         warn_at_user_line(
             "air_magic: legacy setting(s) used; they still work but will be removed: "

@@ -149,6 +149,8 @@ def prepare_call(
             accelerator_type=settings.accelerator_type.name if settings.accelerator_type else None,
             experiment=settings.experiment,
             run_name=settings.run_name,
+            run_id=settings.run_id,
+            system_metrics=settings.system_metrics,
         )
         run_start = tracking.RunStart(facts, log_root=settings.log_dir)
         run_start.remember_active()

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.metadata
+import math
 import os
 import platform
 import queue
@@ -38,6 +39,7 @@ import shutil
 import socket
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -49,7 +51,8 @@ from air_magic.launch.accelerators import AcceleratorPlan
 from air_magic.protocol import env_names
 from air_magic.protocol.events import Event, RecordLink, RunFinished, RunStarted
 from air_magic.threads import start_in_context
-from air_magic.tracking import remote, store
+from air_magic.tracking import log_upload, remote, resume, store, system_metrics
+from air_magic.tracking.log_upload import LogUploader
 from air_magic.tracking.metric_writer import MetricWriter
 from air_magic.tracking.mlflow_import import import_mlflow
 
@@ -93,6 +96,12 @@ class TrackedRun:
     jobs: queue.SimpleQueue[Callable[[], object] | str] = field(default_factory=queue.SimpleQueue, repr=False)
     end_wait_s: float | None = None  # how long the caller waits for the run's end (None: until it is done)
     ended: threading.Event = field(default_factory=threading.Event, repr=False)
+    logs_path: str = "logs"  # where the logs go in the run: logs/call-N when a resumed run's Nth call
+    resumed: bool = False  # an existing run (run_id=, MLFLOW_RUN_ID) this call continues
+    sample_system: bool = False  # system metrics (tracking/system_metrics.py) from the ranks' start
+    _monitor: Any = field(default=None, repr=False)
+    _uploader: LogUploader | None = field(default=None, repr=False)
+    _next_upload: float = field(default=math.inf, repr=False)  # time.monotonic() of the next pass
 
     def describe(self) -> str:
         from air_magic.tracking import ui as mlflow_ui
@@ -112,6 +121,7 @@ class TrackedRun:
             self.log_dir = event.log_dir
             tag = functools.partial(self.client.set_tag, self.run_id, "air_magic.run_id", event.run_id)
             self.jobs.put(tag)
+            self.jobs.put(self._watch)
             if self.metrics is not None:
                 self.metrics.start()
         elif isinstance(event, RunFinished):
@@ -119,9 +129,18 @@ class TrackedRun:
             self.error = event.error
 
     def serve(self) -> None:
-        """The owner thread: run the queued MLflow work in order; the call's outcome is the last job."""
+        """The owner thread: run the queued MLflow work in order; the call's outcome is the last job.
+
+        Between jobs it copies the rank logs into the run every ``log_upload.UPLOAD_EVERY_S``."""
         while True:
-            job = self.jobs.get()
+            try:
+                wait = (
+                    None if self._next_upload == math.inf else max(0.0, self._next_upload - time.monotonic())
+                )
+                job = self.jobs.get(timeout=wait)
+            except queue.Empty:
+                self._upload_logs()
+                continue
             if isinstance(job, str):
                 try:
                     self._end(job)
@@ -149,6 +168,26 @@ class TrackedRun:
                 f"{limit:g} s; it is still being ended in the background"
             )
 
+    def _watch(self) -> None:
+        """The ranks have started: sample the machine and follow the logs (on the owner thread)."""
+        if self.sample_system:
+            try:
+                self._monitor = system_metrics.start(self.run_id, self.tracking_uri, self.resumed)
+            except Exception as exc:  # noqa: BLE001 - the call's own record matters more
+                _warn(f"system metrics are not recorded for MLflow run {self.run_id}: {exc}")
+        if self.log_dir:
+            self._uploader = LogUploader(self.client, self.run_id, self.log_dir, self.logs_path)
+            self._next_upload = time.monotonic() + log_upload.UPLOAD_EVERY_S
+
+    def _upload_logs(self) -> None:
+        self._next_upload = time.monotonic() + log_upload.UPLOAD_EVERY_S
+        if self._uploader is None:
+            return
+        try:
+            self._uploader.upload()
+        except Exception as exc:  # noqa: BLE001 - tried again at the next pass, and at the end
+            _warn(f"could not copy the logs into MLflow run {self.run_id} yet: {exc}")
+
     def _close_metrics(self) -> None:
         metrics, self.metrics = self.metrics, None
         if metrics is not None:
@@ -158,6 +197,9 @@ class TrackedRun:
     def _end(self, outcome: str) -> None:
         """Write what is left and end the run with the status that matches ``outcome``. Never raises."""
         self._close_metrics()  # every rank is gone: what they logged is all in the files
+        if self._monitor is not None:
+            with contextlib.suppress(Exception):  # never keeps the run from ending
+                system_metrics.stop(self._monitor)
         self._end_children(outcome)
         tags = {"air_magic.outcome": outcome}
         if self.failed_rank is not None:
@@ -168,7 +210,9 @@ class TrackedRun:
             for key, value in tags.items():
                 self.client.set_tag(self.run_id, key, value)
             if self.log_dir and os.path.isdir(self.log_dir):
-                self.client.log_artifacts(self.run_id, self.log_dir, "logs")
+                if self._uploader is None:
+                    self._uploader = LogUploader(self.client, self.run_id, self.log_dir, self.logs_path)
+                self._uploader.upload()  # what is new since the last pass
             if (
                 self.tracking_uri == paths.embedded_mlflow_uri()
             ):  # MLflow makes them with the umask: 0644 files
@@ -215,6 +259,8 @@ class CallFacts:
     accelerator_type: str | None
     experiment: str | None
     run_name: str | None
+    run_id: str | None = None  # an existing run to continue (tracking/resume.py)
+    system_metrics: bool = True
 
 
 _NOT_READ = object()
@@ -327,6 +373,11 @@ def _create_run(
     with store.setup_lock(uri):
         client = MlflowClient(tracking_uri=uri)
     store.end_orphaned_runs(client, uri)
+    resume_id = resume.run_to_resume(call.run_id, active)
+    if resume_id is not None:
+        if not jobs.empty():
+            return None
+        return _track(client, uri, jobs, call, resume.reopen(client, uri, resume_id, call.experiment))
     experiment_id = store.experiment_id(client, uri, active, call.experiment)
     tags = {
         "mlflow.source.name": call.name,
@@ -340,12 +391,36 @@ def _create_run(
     if not jobs.empty():
         return None  # the call was interrupted while its run was being prepared: nothing to record
     run = client.create_run(experiment_id, run_name=call.run_name or _run_name(call.name), tags=tags)
-    run_id = run.info.run_id
+    return _track(client, uri, jobs, call, resume.Reopened(run.info.run_id, experiment_id, 1, existing=False))
+
+
+def _track(
+    client: Any,
+    uri: str,
+    jobs: queue.SimpleQueue[Callable[[], object] | str],
+    call: CallFacts,
+    run: resume.Reopened,
+) -> TrackedRun:
+    """The call's run (new, or reopened), described and ready for the call."""
     end_wait_s = remote.REMOTE_END_S if remote.is_remote(uri) else None
-    tracked = TrackedRun(client, run_id, experiment_id, uri, None, {}, jobs=jobs, end_wait_s=end_wait_s)
+    tracked = TrackedRun(
+        client, run.run_id, run.experiment_id, uri, None, {}, jobs=jobs, end_wait_s=end_wait_s
+    )
+    tracked.resumed = run.existing
+    tracked.logs_path = "logs" if run.call_number == 1 else f"logs/call-{run.call_number}"
+    tracked.sample_system = system_metrics.wanted(call.system_metrics)
     _live.append(tracked)
     try:
-        _describe_call(tracked, call)
+        if tracked.resumed:
+            tags = {
+                "air_magic.calls": str(run.call_number),
+                "air_magic.kind": call.kind,
+                "air_magic.host": socket.gethostname(),
+                "air_magic.caller": store.caller_id(),
+            }
+            for key, value in tags.items():
+                client.set_tag(run.run_id, key, value)
+        _describe_call(tracked, call, run)
     except BaseException:
         jobs.put("failed")  # the run exists: end it with the call, which fails with this error
         tracked.serve()
@@ -353,7 +428,7 @@ def _create_run(
     return tracked
 
 
-def _describe_call(tracked: TrackedRun, call: CallFacts) -> None:
+def _describe_call(tracked: TrackedRun, call: CallFacts, run: resume.Reopened) -> None:
     """Log the call's parameters and source; give the ranks their environment and the metric writer."""
     client, run_id, uri = tracked.client, tracked.run_id, tracked.tracking_uri
     experiment_id = tracked.experiment_id
@@ -370,9 +445,19 @@ def _describe_call(tracked: TrackedRun, call: CallFacts) -> None:
     }
     from mlflow.entities import Param
 
-    client.log_batch(run_id, params=[Param(k, str(v)) for k, v in params.items()])
+    # A resumed run keeps its parameters (MLflow never changes one): what this call does
+    # differently goes in beside them, under its call number.
+    fresh = {}
+    for key, value in params.items():
+        if key not in run.params:
+            fresh[key] = str(value)
+        elif run.params[key] != str(value):
+            fresh[f"call-{run.call_number}.{key}"] = str(value)
+    if fresh:
+        client.log_batch(run_id, params=[Param(k, v) for k, v in fresh.items()])
     if call.source:
-        client.log_text(run_id, call.source, f"source/{store.safe_name(call.name)}.py")
+        folder = "source" if run.call_number == 1 else f"source/call-{run.call_number}"
+        client.log_text(run_id, call.source, f"{folder}/{store.safe_name(call.name)}.py")
     env = {
         "MLFLOW_TRACKING_URI": uri,
         "MLFLOW_EXPERIMENT_ID": experiment_id,

@@ -181,8 +181,6 @@ def end_orphaned_runs(client: Any, uri: str) -> None:
     if uri in _reaped:
         return
     _reaped.add(uri)
-    import psutil
-
     try:
         experiments = [e.experiment_id for e in client.search_experiments()]
         if not experiments:
@@ -194,18 +192,7 @@ def end_orphaned_runs(client: Any, uri: str) -> None:
             max_results=ORPHAN_SEARCH_LIMIT,
         )
         for run in runs:
-            caller = run.data.tags.get("air_magic.caller", "")
-            pid_text, _, started = caller.partition(":")
-            try:
-                caller_proc = psutil.Process(int(pid_text))
-                # Same pid and start time, and not a zombie (dead, waiting for its parent to reap it).
-                alive = (
-                    f"{caller_proc.create_time():.3f}" == started
-                    and caller_proc.status() != psutil.STATUS_ZOMBIE
-                )
-            except (ValueError, psutil.Error):
-                alive = False
-            if not alive:
+            if not caller_alive(run.data.tags.get("air_magic.caller", "")):
                 client.set_tag(run.info.run_id, "air_magic.outcome", "caller ended")
                 client.set_tag(
                     run.info.run_id,
@@ -215,6 +202,18 @@ def end_orphaned_runs(client: Any, uri: str) -> None:
                 client.set_terminated(run.info.run_id, "KILLED")
     except Exception as exc:  # noqa: BLE001 - housekeeping must never stop a call
         _warn(f"could not check for runs left RUNNING by ended processes: {exc}")
+
+
+def caller_alive(caller: str) -> bool:
+    """The process a :func:`caller_id` names still runs (same pid and start, not a zombie)."""
+    import psutil
+
+    pid_text, _, started = caller.partition(":")
+    try:
+        proc = psutil.Process(int(pid_text))
+        return f"{proc.create_time():.3f}" == started and proc.status() != psutil.STATUS_ZOMBIE
+    except (ValueError, psutil.Error):
+        return False
 
 
 def _warn(message: str) -> None:

@@ -2,21 +2,43 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 from typing import Any
 
 from air_magic.protocol import env_names
 
 
-def init_process_group(backend: str | None = None, **kwargs: Any) -> Any:
+def init_process_group(
+    backend: str | None = None,
+    *,
+    timeout: float | datetime.timedelta | None = None,
+    tf32: bool | None = None,
+    **kwargs: Any,
+) -> Any:
     """Initialise torch.distributed for this rank and return its ``torch.device``.
 
     Picks ``nccl`` and ``cuda:LOCAL_RANK`` when the launch planned GPUs, ``gloo``
     and the CPU otherwise, so the same function runs on a GPU node and a laptop.
+
+    - ``timeout``: seconds (or a ``timedelta``) a collective may wait before it fails;
+      default torch's (10 minutes for NCCL and gloo).
+    - ``tf32``: ``True`` lets float32 matrix products and convolutions use TF32 on Ampere and
+      newer GPUs (faster, 10-bit mantissa), ``False`` forbids it, ``None`` (default) leaves
+      torch's setting as it is. Opt-in, because it changes results.
+
     Extra keyword arguments go to ``torch.distributed.init_process_group``.
     """
     import torch
     import torch.distributed as dist
+
+    if timeout is not None:
+        kwargs["timeout"] = (
+            timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=timeout)
+        )
+    if tf32 is not None:
+        torch.backends.cuda.matmul.allow_tf32 = bool(tf32)
+        torch.backends.cudnn.allow_tf32 = bool(tf32)
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     on_gpu = os.environ.get(env_names.DEVICE, "cuda" if torch.cuda.is_available() else "cpu") == "cuda"
