@@ -83,8 +83,9 @@ def get_changelog() -> str:
 
     # A source checkout has the file beside the package; an installed copy carries it in its
     # metadata's description (pyproject.toml joins README.md and CHANGELOG.md).
-    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "CHANGELOG.md")
-    if os.path.exists(here):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    here = os.path.join(root, "CHANGELOG.md")
+    if os.path.exists(os.path.join(root, "pyproject.toml")) and os.path.exists(here):  # our checkout's
         with open(here, encoding="utf-8") as f:
             return f.read()
     from importlib.metadata import PackageNotFoundError, metadata
@@ -93,8 +94,9 @@ def get_changelog() -> str:
         description = metadata("air_magic").get_payload()  # type: ignore[attr-defined]
     except PackageNotFoundError:
         return ""
-    start = str(description or "").find("# Changelog")
-    return "" if start < 0 else str(description)[start:]
+    text = str(description or "")
+    start = text.find("\n# Changelog\n")
+    return "" if start < 0 else text[start + 1 :]
 
 
 def load_ipython_extension(ipython: object) -> None:

@@ -289,6 +289,11 @@ def owner_tag() -> str:
     return process_tag(os.getpid())
 
 
+def pid_space() -> str:
+    """Which pids ours can be compared with (this boot, this pid namespace), as a short name."""
+    return _pid_space()
+
+
 def process_tag(pid: int) -> str:
     """Process ``pid`` as :func:`owner_tag` names it (:func:`owner_alive` checks it later)."""
     return f"{pid}-{_start_time(pid)}-{_pid_space()}"

@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import psutil
@@ -52,8 +53,19 @@ def store(tmp_path, monkeypatch):
 
 
 def _record() -> dict:
-    with open(os.path.join(paths.embedded_mlflow_dir(), paths.MLFLOW_UI_STATE)) as f:
+    with open(ui_server.state_path(paths.embedded_mlflow_dir())) as f:
         return json.load(f)
+
+
+def _keepers_of(folder: str) -> list[psutil.Process]:
+    """The keeper processes serving ``folder`` (a keeper's fork before it execs the server is not one)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline", "ppid"]):
+        cmdline = proc.info["cmdline"] or []
+        if "air_magic.tracking.ui_server" in cmdline and folder in cmdline:
+            found.append(proc)
+    pids = {p.pid for p in found}
+    return [p for p in found if p.info["ppid"] not in pids]
 
 
 def _link(printed: str) -> str:
@@ -114,12 +126,7 @@ def test_a_notebook_call_starts_one_shared_ui_whose_link_opens_the_run_and_outli
     with Kernel(cwd=tmp_path, env=_kernel_env()) as other:
         third = _link(other.printed(CALL.format(name="other-kernel")))
     assert third.split("/#/")[0] == first.split("/#/")[0] and _record()["keeper"] == keeper
-    servers = [
-        p
-        for p in psutil.process_iter(["cmdline"])
-        if "air_magic.tracking.ui_server" in (p.info["cmdline"] or [])
-    ]
-    assert len([p for p in servers if store in p.info["cmdline"]]) == 1
+    assert len(_keepers_of(paths.embedded_mlflow_dir())) == 1
     # Stopped on request: the port closes, ui.json goes, no process of it stays.
     assert mlflow_ui.stop_ui(store)
     assert not _port_open(port)
@@ -146,7 +153,7 @@ def test_opted_out_or_outside_a_kernel_nothing_starts_and_the_text_names_the_com
     )
     assert script.returncode == 0, script.stderr
     assert _link(script.stdout) == "None" and "(to open it: air-magic ui --run " in script.stderr
-    assert not os.path.exists(os.path.join(paths.embedded_mlflow_dir(), paths.MLFLOW_UI_STATE))
+    assert not os.path.exists(ui_server.state_path(paths.embedded_mlflow_dir()))
     # The command it names opens that run.
     shown = subprocess.run(
         [sys.executable, "-m", "air_magic", "ui", "--run", run_id],
@@ -179,8 +186,12 @@ def test_callers_starting_at_once_share_one_server(store):
     ]
     ports = {p.communicate(timeout=60)[0].strip() for p in procs}
     assert len(ports) == 1, ports
-    keepers = [p for p in psutil.process_iter(["cmdline"]) if store in (p.info["cmdline"] or [])]
-    assert len([p for p in keepers if "air_magic.tracking.ui_server" in p.info["cmdline"]]) == 1
+    deadline = time.monotonic() + UP_WAIT_S
+    port = int(next(iter(ports)))
+    while not mlflow_ui._answers(port):  # up: the keeper has forked and exec'd its server
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    assert len(_keepers_of(paths.embedded_mlflow_dir())) == 1
 
 
 def _server_up(uri: str) -> tuple[int, dict]:
@@ -229,36 +240,41 @@ def test_the_keeper_stops_an_idle_server_and_one_ui_json_no_longer_names(tmp_pat
     os.mkdir(folder, 0o700)
     uri = f"sqlite:///{tmp_path / 'store.db'}"
 
+    state = ui_server.state_path(folder)
+
     def keeper(port: int) -> tuple[subprocess.Popen, str]:
         fd = ui_server.locked(folder)
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "air_magic.tracking.ui_server", folder, uri, str(port),
+                [sys.executable, "-m", "air_magic.tracking.ui_server", folder, str(port),
                  "--idle-s", "3", "--check-s", "0.5"],
+                env=dict(os.environ, MLFLOW_BACKEND_STORE_URI=uri),
                 stderr=subprocess.PIPE,
                 text=True,
             )  # fmt: skip
             tag = private_files.process_tag(proc.pid)
-            ui_server.write_record(folder, {"keeper": tag, "port": port, "uri": uri, "started": time.time()})
+            ui_server.write_record(
+                state, {"keeper": tag, "port": port, "uri_key": "k", "started": time.time()}
+            )
         finally:
             os.close(fd)
         return proc, tag
 
-    # Idle: nobody touched ui.json for --idle-s.
+    # Idle: nobody touched the state file for --idle-s.
     proc, _ = keeper(mlflow_ui._free_port(None))
     started = time.monotonic()
     assert proc.wait(timeout=60) == 0
     assert time.monotonic() - started >= 3
-    assert ui_server.read_record(folder)["ended"].startswith("no call for")
+    assert ui_server.read_record(state)["ended"].startswith("no call for")
     assert "ended: no call for" in proc.stderr.read()
-    # Replaced: ui.json names another keeper.
+    # Replaced: the state file names another keeper.
     proc, _ = keeper(mlflow_ui._free_port(None))
     fd = ui_server.locked(folder)
-    ui_server.write_record(folder, {"keeper": "1-1-other", "port": 1, "uri": uri, "started": time.time()})
+    ui_server.write_record(state, {"keeper": "1-1-other", "port": 1, "uri_key": "k", "started": time.time()})
     os.close(fd)
     assert proc.wait(timeout=30) == 0
-    assert ui_server.read_record(folder)["keeper"] == "1-1-other"  # not its to change
-    assert "ended: ui.json names another server" in proc.stderr.read()
+    assert ui_server.read_record(state)["keeper"] == "1-1-other"  # not its to change
+    assert "ended: the state file names another server" in proc.stderr.read()
 
 
 def test_the_links_address_follows_jupyterhub_and_the_users_template(monkeypatch):
@@ -288,3 +304,59 @@ def test_no_automatic_start_where_another_users_processes_run(monkeypatch):
         other.kill()
         other.wait()
         mlflow_ui.other_users.cache_clear()
+
+
+def test_a_record_of_another_boot_or_container_is_never_trusted_nor_signalled(store):
+    """A home folder outlives boots and containers (and may be shared by machines): a record made
+    elsewhere names a pid of another pid space, which must not count as alive nor be signalled."""
+    folder = mlflow_ui.ui_folder(store)
+    elsewhere = os.path.join(folder, paths.MLFLOW_UI_STATE.format(space="0123456789abcdef"))
+    key = mlflow_ui._key(store)
+    ui_server.write_record(elsewhere, {"keeper": "1-1-0123456789abcdef", "port": 5000, "uri_key": key})
+    # Ours, naming a keeper of this space that is gone (pid 1 with a start time it never had).
+    ui_server.write_record(
+        ui_server.state_path(folder),
+        {"keeper": f"1-12345-{private_files.pid_space()}", "port": 5000, "uri_key": key},
+    )
+    assert mlflow_ui.server_port(store, start=False) is None
+    assert mlflow_ui.stop_ui(store) is False  # nothing signalled: pid 1 is this container's init
+
+
+def test_relative_stores_are_made_absolute_and_passwords_are_not_shown(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert mlflow_ui.absolute("sqlite:///mlflow.db") == f"sqlite:///{tmp_path}/mlflow.db"
+    assert mlflow_ui.absolute("sqlite:////abs/m.db") == "sqlite:////abs/m.db"
+    assert mlflow_ui.absolute("file:./mlruns") == f"file://{tmp_path}/mlruns"
+    assert mlflow_ui.absolute("mlruns") == f"{tmp_path}/mlruns"
+    assert mlflow_ui.absolute("http://host:5000") == "http://host:5000"
+    shown = mlflow_ui.open_command("postgresql://ada:s3cret@db:5432/mlflow", "abc")
+    assert "s3cret" not in shown and "ada:***@db:5432" in shown
+    assert mlflow_ui.run_url("databricks", "1", "abc") is None  # no page this URI can name
+
+
+def _status(port: int, host: str, origin: str | None = None) -> int:
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/ajax-api/2.0/mlflow/experiments/search",
+        data=b'{"max_results": 1}',
+        headers={"Host": host, "Content-Type": "application/json", **({"Origin": origin} if origin else {})},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=10) as reply:
+            return int(reply.status)
+    except urllib.error.HTTPError as error:
+        return int(error.code)
+
+
+def test_behind_a_proxy_the_hubs_host_reaches_the_server_and_not_otherwise(store, monkeypatch):
+    """jupyter-server-proxy forwards the browser's Host and Origin (the hub's name): the server
+    accepts them only when it serves through a proxy; on plain loopback MLflow's guard stays."""
+    pytest.importorskip("jupyter_server_proxy")
+    port = int(mlflow_ui.ensure_ui(store).rsplit(":", 1)[1])
+    assert _status(port, f"127.0.0.1:{port}") == 200
+    assert _status(port, "hub.example.org", "https://hub.example.org") == 403  # DNS rebinding guard
+    assert mlflow_ui.stop_ui(store)
+    monkeypatch.setenv("JUPYTERHUB_SERVICE_PREFIX", "/user/ada/")
+    base = mlflow_ui.ensure_ui(store)
+    assert base.startswith("/user/ada/proxy/")
+    port = int(base.rsplit("/", 1)[1])
+    assert _status(port, "hub.example.org", "https://hub.example.org") == 200

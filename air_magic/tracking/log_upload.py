@@ -20,20 +20,29 @@ from typing import Any
 from air_magic import private_files
 from air_magic.protocol.stacks import RANK_FILE_PREFIX
 
-UPLOAD_EVERY_S = 30.0  # a long run is followed at this pace; the cost is bounded by the rate of output
+UPLOAD_EVERY_S = 30.0  # a long run is followed at this pace; locally a pass costs what was written
+# A remote store gets whole files each pass (MLflow has no append): a slower pace keeps the traffic
+# of a long run's growing logs down, and the run's owner thread free for the call's own requests.
+REMOTE_UPLOAD_EVERY_S = 300.0
 _CHUNK = 1 << 20
 
 
 class LogUploader:
     """Sends what is new in ``log_dir`` to the run's ``artifact_path`` (``logs`` or ``logs/call-N``)."""
 
-    def __init__(self, client: Any, run_id: str, log_dir: str, artifact_path: str) -> None:
+    def __init__(self, client: Any, run_id: str, log_dir: str, artifact_path: str, private: bool) -> None:
         self._client = client
         self._run_id = run_id
         self._log_dir = log_dir
         self._artifact_path = artifact_path
+        self._private = private  # the embedded store: 0600 files, refused through links (security.md)
         self._sent: dict[str, int] = {}  # file name -> bytes sent
-        self._local = _local_folder(client.get_run(run_id).info.artifact_uri, artifact_path)
+        self._local = _local_folder(client.get_run(run_id).info.artifact_uri, artifact_path, private)
+
+    @property
+    def remote(self) -> bool:
+        """The run's artifacts are not on this machine: each pass uploads changed files whole."""
+        return self._local is None
 
     def upload(self) -> None:
         """Send every file of the log folder that grew (or was rewritten) since the last pass."""
@@ -54,11 +63,14 @@ class LogUploader:
             if self._local is None:
                 self._client.log_artifact(self._run_id, path, self._artifact_path)
             else:
-                _append(path, os.path.join(self._local, name), 0 if sent is None or size < sent else sent)
+                start = 0 if sent is None or size < sent else sent
+                # Exactly the bytes up to the size read above: more may be written meanwhile,
+                # and the next pass starts from here (never twice).
+                _append(path, os.path.join(self._local, name), start, size, self._private)
             self._sent[name] = size
 
 
-def _local_folder(artifact_uri: str, artifact_path: str) -> str | None:
+def _local_folder(artifact_uri: str, artifact_path: str, private: bool) -> str | None:
     """The run's artifact folder on this machine, made if missing; None for a remote store."""
     parsed = urllib.parse.urlparse(artifact_uri)
     if parsed.scheme not in ("", "file") or (
@@ -67,15 +79,19 @@ def _local_folder(artifact_uri: str, artifact_path: str) -> str | None:
         return None
     root = urllib.request.url2pathname(parsed.path) if parsed.scheme else artifact_uri
     folder = os.path.join(root, *artifact_path.split("/"))
-    os.makedirs(folder, mode=0o700, exist_ok=True)  # a store's artifacts are the user's (security.md)
+    # The embedded store's artifacts are the user's alone (security.md); a store the user chose
+    # keeps the modes its folders get (a team's shared store stays readable to the team).
+    os.makedirs(folder, mode=0o700 if private else 0o777, exist_ok=True)
     return folder
 
 
-def _append(source: str, target: str, start: int) -> None:
-    """Copy ``source`` from byte ``start`` onto the end of ``target`` (from 0: replace it)."""
-    flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if start else os.O_TRUNC)
-    fd = private_files.open_private(target, flags)
+def _append(source: str, target: str, start: int, end: int, private: bool) -> None:
+    """Copy bytes ``start``..``end`` of ``source`` onto the end of ``target`` (from 0: replace it)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_APPEND if start else os.O_TRUNC)
+    fd = private_files.open_private(target, flags) if private else os.open(target, flags, 0o666)
     with open(source, "rb") as src, os.fdopen(fd, "wb") as out:
         src.seek(start)
-        while chunk := src.read(_CHUNK):
+        left = end - start
+        while left > 0 and (chunk := src.read(min(_CHUNK, left))):
             out.write(chunk)
+            left -= len(chunk)

@@ -17,6 +17,7 @@ latest call ended.
 from __future__ import annotations
 
 import os
+import socket
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -74,15 +75,22 @@ def reopen(client: Any, uri: str, run_id: str, experiment: str | None) -> Reopen
                 f"run_id={run_id!r} is a run of experiment {info.experiment_id}, not of "
                 f"experiment={experiment!r}: leave out one of the two; nothing was launched"
             )
-    if info.status == "RUNNING" and store.caller_alive(tags.get("air_magic.caller", "")):
-        raise ConfigurationError(
-            f"run_id={run_id!r} is still recording a call of another process (air_magic.caller "
-            f"{tags['air_magic.caller']}); wait for it to end, or record this call elsewhere; "
-            "nothing was launched"
-        )
+    if info.status == "RUNNING":
+        caller, host = tags.get("air_magic.caller"), tags.get("air_magic.host")
+        if caller is None or host != socket.gethostname() or store.caller_alive(caller):
+            # Not an air_magic call of this machine that died (those are the ones we may take
+            # over): the notebook's own active run, another tool's, another machine's, a live call.
+            raise ConfigurationError(
+                f"run_id={run_id!r} is RUNNING: something else is recording into it (a live call, "
+                "another machine, or an active run of MLflow's own); end it first, or record this "
+                "call elsewhere; nothing was launched"
+            )
     try:
         earlier = int(tags.get("air_magic.calls", "1" if "air_magic.kind" in tags else "0"))
     except ValueError:
         earlier = 1
     client.update_run(run_id, status="RUNNING")
+    for stale in ("air_magic.error", "air_magic.failed_rank"):  # the last call's: this one says its own
+        if stale in tags:
+            client.delete_tag(run_id, stale)
     return Reopened(run_id, info.experiment_id, earlier + 1, dict(run.data.params))

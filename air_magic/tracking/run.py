@@ -176,11 +176,19 @@ class TrackedRun:
             except Exception as exc:  # noqa: BLE001 - the call's own record matters more
                 _warn(f"system metrics are not recorded for MLflow run {self.run_id}: {exc}")
         if self.log_dir:
-            self._uploader = LogUploader(self.client, self.run_id, self.log_dir, self.logs_path)
-            self._next_upload = time.monotonic() + log_upload.UPLOAD_EVERY_S
+            self._uploader = self._new_uploader(self.log_dir)
+            self._next_upload = time.monotonic() + self._upload_every_s()
+
+    def _new_uploader(self, log_dir: str) -> LogUploader:
+        private = self.tracking_uri == paths.embedded_mlflow_uri()
+        return LogUploader(self.client, self.run_id, log_dir, self.logs_path, private)
+
+    def _upload_every_s(self) -> float:
+        remote = self._uploader is not None and self._uploader.remote
+        return log_upload.REMOTE_UPLOAD_EVERY_S if remote else log_upload.UPLOAD_EVERY_S
 
     def _upload_logs(self) -> None:
-        self._next_upload = time.monotonic() + log_upload.UPLOAD_EVERY_S
+        self._next_upload = time.monotonic() + self._upload_every_s()
         if self._uploader is None:
             return
         try:
@@ -211,7 +219,7 @@ class TrackedRun:
                 self.client.set_tag(self.run_id, key, value)
             if self.log_dir and os.path.isdir(self.log_dir):
                 if self._uploader is None:
-                    self._uploader = LogUploader(self.client, self.run_id, self.log_dir, self.logs_path)
+                    self._uploader = self._new_uploader(self.log_dir)
                 self._uploader.upload()  # what is new since the last pass
             if (
                 self.tracking_uri == paths.embedded_mlflow_uri()

@@ -58,10 +58,11 @@ def start(run_id: str, tracking_uri: str, resumed: bool) -> Any:
         logger = logging.getLogger(name)
         if _FILTER not in logger.filters:
             logger.addFilter(_FILTER)
-    options: dict[str, Any] = {"resume_logging": resumed}  # a resumed run's steps go on
-    if "tracking_uri" in inspect.signature(SystemMetricsMonitor).parameters:  # MLflow 2.x has none
-        options["tracking_uri"] = tracking_uri
-    monitor = SystemMetricsMonitor(run_id, **options)
+    if "tracking_uri" not in inspect.signature(SystemMetricsMonitor).parameters:
+        # Older MLflow's monitor writes to the process's global tracking URI, which the call's
+        # store (the embedded one, say) need not be: it would fail quietly, or write elsewhere.
+        raise RuntimeError("this MLflow's SystemMetricsMonitor cannot be told the store (MLflow 3 can)")
+    monitor = SystemMetricsMonitor(run_id, resume_logging=resumed, tracking_uri=tracking_uri)
     monitor.start()
     thread = getattr(monitor, "_process", None)
     if thread is not None:

@@ -28,14 +28,17 @@ other users' processes are visible, since loopback is shared with them.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.util
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 
 from air_magic import paths, private_files
@@ -45,6 +48,7 @@ AUTO_ENV = "AIR_MAGIC_MLFLOW_UI"  # 0: never start one on its own; 1: start one 
 URL_ENV = "AIR_MAGIC_MLFLOW_UI_URL"  # the browser's address of the server, "{port}" filled in
 PORT_REUSE_WAIT_S = 1.0  # a start is rare (once a day, say): a second for the old port is cheap
 STOP_WAIT_S = 20.0  # the keeper gives the server ui_server.GRACE_S, then kills it; this covers both
+LOCK_WAIT_S = 5.0  # a call waits this long for the UI folder's lock, then goes on without a link
 # A login account, not a system daemon's: the default of /etc/login.defs' UID_MIN on every
 # mainstream distribution. nobody (65534) is a daemon's too.
 FIRST_LOGIN_UID = 1000
@@ -57,6 +61,21 @@ def is_server(uri: str) -> bool:
     return uri.startswith(("http://", "https://", "databricks"))
 
 
+def absolute(uri: str) -> str:
+    """``uri`` with a relative store path made absolute against this process's folder.
+
+    ``sqlite:///mlflow.db`` and ``file:./mlruns`` name files relative to where MLflow runs;
+    the server runs elsewhere (its UI folder), and two projects' relative stores are two stores.
+    """
+    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+        return "sqlite:///" + os.path.abspath(uri[len("sqlite:///") :])
+    if uri.startswith("file:") and not uri.startswith("file:/"):
+        return "file://" + os.path.abspath(uri[len("file:") :])
+    if "://" not in uri and not is_server(uri):
+        return os.path.abspath(uri)  # a bare path: MLflow's file store
+    return uri
+
+
 def run_url(uri: str, experiment_id: str, run_id: str) -> str | None:
     """The browser's address of the run: on the tracking server, or on the store's UI server.
 
@@ -64,29 +83,37 @@ def run_url(uri: str, experiment_id: str, run_id: str) -> str | None:
     otherwise (a call keeps it from being stopped as idle). None: no server to link to.
     """
     fragment = f"#/experiments/{experiment_id}/runs/{run_id}"
-    if is_server(uri):
+    if uri.startswith(("http://", "https://")):
         return f"{uri.rstrip('/')}/{fragment}"
-    port = server_port(uri, start=auto_start_allowed())
+    if is_server(uri):
+        return None  # databricks: its workspace's pages, whose host this URI does not name
+    port = server_port(uri, start=auto_start_allowed(), wait_s=LOCK_WAIT_S)
     return None if port is None else f"{browser_base(port)}/{fragment}"
 
 
 def open_command(uri: str, run_id: str) -> str:
     """The command that opens a run of a local store in a browser (named where there is no link)."""
-    store = "" if uri == paths.embedded_mlflow_uri() else f" --store '{uri}'"
+    uri = absolute(uri)
+    store = "" if uri == paths.embedded_mlflow_uri() else f" --store '{_without_password(uri)}'"
     return f"air-magic ui{store} --run {run_id}"
 
 
-def server_port(uri: str, *, start: bool) -> int | None:
-    """The port of the UI server over ``uri`` (started first when ``start``), touched as in use."""
+def server_port(uri: str, *, start: bool, wait_s: float | None = None) -> int | None:
+    """The port of the UI server over ``uri`` (started first when ``start``), touched as in use.
+
+    ``wait_s``: how long to wait for the folder's lock (:class:`ui_server.LockBusy` after that).
+    """
+    uri = absolute(uri)
     folder = ui_folder(uri)
-    fd = ui_server.locked(folder)
+    fd = ui_server.locked(folder, wait_s)
     try:
-        record = _live_record(folder, uri)
+        state = ui_server.state_path(folder)
+        record = _live_record(state, uri)
         if record is None and not start:
             return None
         if record is None:
-            record = _start(folder, uri)
-        os.utime(os.path.join(folder, paths.MLFLOW_UI_STATE))  # in use: not idle
+            record = _start(folder, state, uri)
+        os.utime(state)  # in use: not idle
         return int(record["port"])  # type: ignore[call-overload]
     finally:
         os.close(fd)
@@ -101,6 +128,7 @@ def ensure_ui(uri: str, timeout_s: float = 90.0) -> str:
     """
     if is_server(uri):
         return uri.rstrip("/")
+    uri = absolute(uri)
     log_path = os.path.join(ui_folder(uri), paths.MLFLOW_UI_LOG)  # made first: the store lock is in it
     _make_tables(uri)
     port = server_port(uri, start=True)
@@ -116,22 +144,30 @@ def ensure_ui(uri: str, timeout_s: float = 90.0) -> str:
 
 
 def stop_ui(uri: str) -> bool:
-    """Stop the UI server over ``uri`` (its keeper stops the server and forgets it); False: none ran."""
+    """Stop the UI server over ``uri`` (its keeper marks it ended, then stops it); False: none ran.
+
+    Raises RuntimeError if the keeper is still there after :data:`STOP_WAIT_S`.
+    """
+    uri = absolute(uri)
     folder = ui_folder(uri)
     fd = ui_server.locked(folder)
     try:
-        record = _live_record(folder, uri)
+        record = _live_record(ui_server.state_path(folder), uri)
     finally:
         os.close(fd)
     if record is None:
         return False
-    pid = int(str(record["keeper"]).split("-", 1)[0])
+    keeper = str(record["keeper"])  # of this boot and pid namespace (_live_record checked it)
     try:
-        os.kill(pid, 15)
+        os.kill(int(keeper.split("-", 1)[0]), signal.SIGTERM)
     except ProcessLookupError:
         return True
     deadline = time.monotonic() + STOP_WAIT_S
-    while private_files.owner_alive(str(record["keeper"])) and time.monotonic() < deadline:
+    while private_files.owner_alive(keeper):
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"the MLflow UI server's keeper ({keeper}) did not stop within {STOP_WAIT_S:g} s"
+            )
         time.sleep(0.05)
     return True
 
@@ -188,7 +224,7 @@ def ui_folder(uri: str) -> str:
     if uri == paths.embedded_mlflow_uri():
         folder = paths.embedded_mlflow_dir()
     else:
-        folder = paths.state_dir(paths.MLFLOW_UI_DIR, hashlib.sha256(uri.encode()).hexdigest()[:16])
+        folder = paths.state_dir(paths.MLFLOW_UI_DIR, _key(uri))
     return private_files.private_root(
         folder,
         "the MLflow UI server's folder",
@@ -196,36 +232,50 @@ def ui_folder(uri: str) -> str:
     )
 
 
-def _live_record(folder: str, uri: str) -> dict[str, object] | None:
-    """ui.json's server, if its keeper still runs and it serves ``uri``. Called under ui.lock."""
-    record = ui_server.read_record(folder)
-    if record is None or record.get("uri") != uri or not isinstance(record.get("port"), int):
+def _key(uri: str) -> str:
+    return hashlib.sha256(uri.encode()).hexdigest()[:16]
+
+
+def _live_record(state: str, uri: str) -> dict[str, object] | None:
+    """The state file's server, if its keeper still runs and it serves ``uri``. Called under ui.lock.
+
+    The state file is this boot's and pid namespace's (``ui_server.state_path``), so the keeper's
+    tag is checked for real, never assumed alive as one from elsewhere would be.
+    """
+    record = ui_server.read_record(state)
+    if record is None or record.get("uri_key") != _key(uri) or not isinstance(record.get("port"), int):
         return None
     keeper = record.get("keeper")
     return record if isinstance(keeper, str) and private_files.owner_alive(keeper) else None
 
 
-def _start(folder: str, uri: str) -> dict[str, object]:
-    """Start a keeper and its server, and record them in ui.json. Called under ui.lock."""
-    previous = ui_server.read_record(folder) or {}
+def _start(folder: str, state: str, uri: str) -> dict[str, object]:
+    """Start a keeper and its server, and record them in the state file. Called under ui.lock."""
+    previous = ui_server.read_record(state) or {}
     _stop_leftovers(previous)
+    _forget_old_states(folder, state)
     port = _free_port(previous.get("port"))
+    env = dict(os.environ, MLFLOW_BACKEND_STORE_URI=uri)  # not on a command line: it may hold a password
+    env.pop(ui_server.PROXY_ENV, None)
+    if not browser_base(port).startswith("http://127.0.0.1:"):
+        env[ui_server.PROXY_ENV] = "1"
     with open(os.path.join(folder, paths.MLFLOW_UI_LOG), "ab", opener=private_files.opener) as log:
         keeper = subprocess.Popen(
-            [sys.executable, "-m", "air_magic.tracking.ui_server", folder, uri, str(port)],
+            [sys.executable, "-m", "air_magic.tracking.ui_server", folder, str(port)],
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=log,
             cwd=folder,
+            env=env,
             start_new_session=True,  # not the kernel's: it outlives it, and a Ctrl-C there is not for it
         )
     record: dict[str, object] = {
         "keeper": private_files.process_tag(keeper.pid),
         "port": port,
-        "uri": uri,
+        "uri_key": _key(uri),
         "started": time.time(),
     }
-    ui_server.write_record(folder, record)
+    ui_server.write_record(state, record)
     # Not waited for: it runs on in its own session. Kept, so that it is reaped (not left a
     # zombie) if it ends while this process lives.
     _keepers[:] = [k for k in _keepers if k.poll() is None] + [keeper]
@@ -235,29 +285,46 @@ def _start(folder: str, uri: str) -> dict[str, object]:
 def _stop_leftovers(previous: dict[str, object]) -> None:
     """A server whose keeper was killed (no one stops it now): kill its group, to free its port.
 
-    Only processes of this user in the recorded group that started after the record did: a
-    group id reused since then by another program is never touched.
+    Only when the group's leader is still the very server process recorded (pid, start time and
+    pid namespace): a pid reused since by another program is never touched.
     """
-    group, started, keeper = previous.get("group"), previous.get("started"), previous.get("keeper")
-    if not isinstance(group, int) or not isinstance(started, (int, float)) or not isinstance(keeper, str):
+    group, server, keeper = previous.get("group"), previous.get("server"), previous.get("keeper")
+    if not isinstance(group, int) or not isinstance(server, str) or not isinstance(keeper, str):
         return
-    if private_files.owner_alive(keeper):
-        return  # it still looks after its server
+    if private_files.owner_alive(keeper) or not private_files.owner_alive(server):
+        return  # still looked after, or gone
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(group, signal.SIGKILL)
     import psutil
 
-    killed = []
-    for proc in psutil.process_iter(["uids", "create_time"]):
-        try:
-            if (
-                proc.info["uids"].real == os.getuid()
-                and proc.info["create_time"] >= started - 1  # psutil's clock: 1 s of slack
-                and os.getpgid(proc.pid) == group
-            ):
-                proc.kill()
-                killed.append(proc)
-        except (psutil.Error, OSError):
-            continue
-    psutil.wait_procs(killed, timeout=5)  # gone (their port free) before a new server takes it
+    members = []
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, OSError):
+            if os.getpgid(proc.pid) == group:
+                members.append(proc)
+    psutil.wait_procs(members, timeout=5)  # gone (their port free) before a new server takes it
+
+
+def _forget_old_states(folder: str, keep: str) -> None:
+    """State files of other boots or namespaces untouched for longer than a keeper lives idle: their
+    keepers have stopped (a live one is touched by every call, and stops after a day without)."""
+    prefix, suffix = paths.MLFLOW_UI_STATE.split("{space}")
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name)
+        if name.startswith(prefix) and name.endswith(suffix) and path != keep:
+            with contextlib.suppress(OSError):
+                if time.time() - os.stat(path).st_mtime > 2 * ui_server.IDLE_S:
+                    os.unlink(path)
+
+
+def _without_password(uri: str) -> str:
+    """``uri`` as it may be shown (a cell's output is saved in the notebook): no password."""
+    parsed = urllib.parse.urlsplit(uri)
+    if parsed.password is None:
+        return uri
+    host = parsed.hostname or ""
+    netloc = f"{parsed.username}:***@{host}" + (f":{parsed.port}" if parsed.port else "")
+    return urllib.parse.urlunsplit(parsed._replace(netloc=netloc))
 
 
 def _free_port(previous: object) -> int:

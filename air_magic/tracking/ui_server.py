@@ -1,22 +1,27 @@
 """The keeper of a store's shared MLflow UI server: runs ``mlflow server`` while it is wanted.
 
-    python -m air_magic.tracking.ui_server FOLDER URI PORT [--idle-s S] [--check-s S]
+    MLFLOW_BACKEND_STORE_URI=URI python -m air_magic.tracking.ui_server FOLDER PORT [--idle-s S] [--check-s S]
 
-``tracking/ui.py`` starts this in a session of its own and records it in
-FOLDER/ui.json. It outlives the kernel that started it, by design: the run links
-in a notebook keep working across kernel restarts and in other kernels. It runs
-``mlflow server`` over URI on 127.0.0.1:PORT with umask 077, its output in the
-0600 FOLDER/ui.log, at a lower CPU priority than ranks (``nice``: its start takes
-seconds of CPU while a call's ranks start too). It stops the server, with its whole
-process tree, when
+``tracking/ui.py`` starts this in a session of its own and records it in the
+folder's state file (:func:`state_path`: one per boot and pid namespace, so a
+record left by another boot, container or machine sharing the home folder is
+never taken for a live one). It outlives the kernel that started it, by design:
+the run links in a notebook keep working across kernel restarts and in other
+kernels. It runs ``mlflow server`` over the store on 127.0.0.1:PORT with umask
+077, its output in the 0600 FOLDER/ui.log, at a lower CPU priority than ranks
+(``nice``: its start takes seconds of CPU while a call's ranks start too). The
+store's URI travels in the environment, never on a command line (``/proc/*/cmdline``
+is readable by every local user, and a database URI may hold a password).
+
+It stops the server, with its whole process tree, when
 
 - SIGTERM, SIGINT or SIGHUP reaches the keeper (``air-magic ui --stop``, a logout);
-- ui.json no longer names this keeper (another server replaced it), or nobody has
-  touched it for ``--idle-s`` (every call that links to the server touches it);
-- the server exits on its own (its port was taken, the store is broken): then the
-  keeper exits too, and the next call starts a new one.
+- the state file no longer names this keeper (another server replaced it), or nobody
+  has touched it for ``--idle-s`` (every call that links to the server touches it);
+- the server exits on its own (its port was taken, the store is broken).
 
-On its way out it marks ui.json ended (keeping the port) if that still names it.
+Before stopping the server it marks the state file ended (keeping the port, for
+the next server), under the lock, so no call links to a server on its way out.
 """
 
 from __future__ import annotations
@@ -35,73 +40,115 @@ from air_magic import paths, private_files
 from air_magic.process_tree import stop_trees
 
 IDLE_S = 24 * 3600.0  # a day without a call: the notebooks are closed; the server's memory goes back
-CHECK_S = 30.0  # how often ui.json is looked at: an idle stop a little late costs nothing
+CHECK_S = 30.0  # how often the state file is looked at: an idle stop a little late costs nothing
 GRACE_S = 5.0  # mlflow server's workers get this long after SIGTERM to exit on their own
 NICENESS = 10  # below the ranks: the server's start must not slow a call starting beside it
+PROXY_ENV = "AIR_MAGIC_MLFLOW_UI_PROXIED"  # set by ui.py when a proxy forwards the browser's Host
 
 
-def server_command(folder: str, uri: str, port: int) -> list[str]:
-    """``mlflow server`` over ``uri`` on loopback, as the keeper runs it (and as docs quote it)."""
-    return [
+def state_path(folder: str) -> str:
+    """This boot's and pid namespace's state file of the UI folder."""
+    return os.path.join(folder, paths.MLFLOW_UI_STATE.format(space=private_files.pid_space()))
+
+
+def server_command(folder: str, port: int) -> list[str]:
+    """``mlflow server`` on loopback, as the keeper runs it (the store: MLFLOW_BACKEND_STORE_URI)."""
+    command = [
         sys.executable, "-m", "mlflow", "server",
-        "--backend-store-uri", uri,
         # Artifacts of experiments created through this server go beside the store, not into
         # whatever folder the server runs in (MLflow's default is ./mlartifacts).
         "--artifacts-destination", "file://" + os.path.join(folder, paths.MLFLOW_SERVED_ARTIFACTS),
         "--host", "127.0.0.1", "--port", str(port),
         "--workers", "1",
     ]  # fmt: skip
+    if os.environ.get(PROXY_ENV):
+        # Behind jupyter-server-proxy the browser's Host and Origin (the hub's name) reach the
+        # server unchanged; MLflow's default allows loopback names only. The server still
+        # listens on 127.0.0.1, where only this machine's processes (the proxy) reach it.
+        command += ["--allowed-hosts", "*", "--cors-allowed-origins", "*"]
+    return command
 
 
-def read_record(folder: str) -> dict[str, object] | None:
-    """ui.json as written by ``tracking/ui.py`` (None: missing or unreadable)."""
+def read_record(path: str) -> dict[str, object] | None:
+    """A state file as written by ``tracking/ui.py`` (None: missing or unreadable)."""
     try:
-        with open(os.path.join(folder, paths.MLFLOW_UI_STATE)) as f:
+        with open(path) as f:
             record = json.load(f)
     except (OSError, ValueError):
         return None
     return record if isinstance(record, dict) else None
 
 
-def locked(folder: str) -> int:
-    """Take the folder's ``ui.lock`` (exclusive); the caller closes the returned fd to release it."""
+def write_record(path: str, record: dict[str, object]) -> None:
+    """Replace a state file at once (0600), under the lock: readers see the old one or the new one."""
+    with open(path + ".tmp", "w", opener=private_files.opener) as f:
+        json.dump(record, f)
+    os.replace(path + ".tmp", path)
+
+
+class LockBusy(Exception):
+    """The folder's lock stayed taken past the wait (a process stopped while holding it)."""
+
+
+def locked(folder: str, wait_s: float | None = None) -> int:
+    """Take the folder's ``ui.lock`` (exclusive); close the returned fd to release it.
+
+    ``wait_s``: give up after that long (:class:`LockBusy`), so a holder stopped with Ctrl-Z
+    cannot hang every tracked call; None waits as long as it takes.
+    """
     fd = os.open(
         os.path.join(folder, paths.MLFLOW_UI_LOCK),
         os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
         0o600,
     )
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    return fd
+    if wait_s is None:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        return fd
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                os.close(fd)
+                raise LockBusy(f"{folder}/{paths.MLFLOW_UI_LOCK} stayed locked for {wait_s:g} s") from None
+            time.sleep(0.02)
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="air_magic.tracking.ui_server")
     parser.add_argument("folder")
-    parser.add_argument("uri")
     parser.add_argument("port", type=int)
     parser.add_argument("--idle-s", type=float, default=IDLE_S)
     parser.add_argument("--check-s", type=float, default=CHECK_S)
     args = parser.parse_args(argv)
 
     stop = threading.Event()
+
+    def on_signal(*_: object) -> None:
+        # Set from another thread: the main thread may hold the Event's lock inside wait().
+        threading.Thread(target=stop.set, daemon=True).start()
+
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     me = private_files.owner_tag()
+    path = state_path(args.folder)
     os.umask(0o077)  # what the server writes (artifacts of its experiments) is the user's alone
     os.nice(NICENESS)
     private_files.private_subfolder(os.path.join(args.folder, paths.MLFLOW_SERVED_ARTIFACTS))
     with open(os.path.join(args.folder, paths.MLFLOW_UI_LOG), "ab", opener=private_files.opener) as log:
         server = subprocess.Popen(
-            server_command(args.folder, args.uri, args.port),
+            server_command(args.folder, args.port),
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=log,
             cwd=args.folder,
             start_new_session=True,  # its own group: stopped as a whole, never signalling the keeper
         )
-    _record_server(args.folder, me, server.pid)
+    _update(args.folder, path, me, {"group": server.pid, "server": private_files.process_tag(server.pid)})
 
-    # The server's own exit ends the wait at once: the next call must find no stale ui.json.
+    # The server's own exit ends the wait at once: the next call must find no stale record.
     def watch_server() -> None:
         server.wait()
         stop.set()
@@ -110,61 +157,55 @@ def main(argv: list[str]) -> int:
     why = ""
     try:
         while not why and not stop.wait(args.check_s):
-            why = _unwanted(args.folder, me, args.idle_s)
-        if server.poll() is not None:
-            why = f"the server exited with status {server.returncode}"
+            why = _unwanted(args.folder, path, me, args.idle_s)
+        if not why:
+            why = (
+                f"the server exited with status {server.returncode}"
+                if server.poll() is not None
+                else "stopped"
+            )
     finally:
+        _forget(args.folder, path, me, why or "stopped")  # first: no call links to it from now on
         stop_trees([server], GRACE_S)
-        _forget(args.folder, me, why or "stopped")
-    print(f"air_magic: MLflow UI on port {args.port} ended: {why or 'stopped'}", file=sys.stderr, flush=True)
+    print(f"air_magic: MLflow UI on port {args.port} ended: {why}", file=sys.stderr, flush=True)
     return 0
 
 
-def _unwanted(folder: str, me: str, idle_s: float) -> str:
+def _unwanted(folder: str, path: str, me: str, idle_s: float) -> str:
     """Why the server should stop now ("" while it is wanted)."""
-    fd = locked(folder)  # the starter writes ui.json under this lock: never read it half-written
+    fd = locked(folder)  # the starter writes the state file under this lock: never read it half-written
     try:
-        record = read_record(folder)
+        record = read_record(path)
         if record is None or record.get("keeper") != me:
-            return "ui.json names another server"
+            return "the state file names another server"
         try:
-            idle = time.time() - os.stat(os.path.join(folder, paths.MLFLOW_UI_STATE)).st_mtime
+            idle = time.time() - os.stat(path).st_mtime
         except OSError:
-            return "ui.json is gone"
+            return "the state file is gone"
         return f"no call for {idle:.0f} s" if idle > idle_s else ""
     finally:
         os.close(fd)
 
 
-def _record_server(folder: str, me: str, pid: int) -> None:
-    """Add the server's process group to ui.json: if this keeper is killed (SIGKILL, the OOM
-    killer), the next starter stops what it left (``tracking/ui.py``)."""
+def _update(folder: str, path: str, me: str, fields: dict[str, object]) -> None:
+    """Add ``fields`` to the state file if it still names this keeper."""
     fd = locked(folder)
     try:
-        record = read_record(folder)
+        record = read_record(path)
         if record is not None and record.get("keeper") == me:
-            record["group"] = pid  # the server leads its group (start_new_session)
-            write_record(folder, record)
+            write_record(path, {**record, **fields})
     finally:
         os.close(fd)
 
 
-def write_record(folder: str, record: dict[str, object]) -> None:
-    """Replace ui.json at once (0600), under ``ui.lock``: readers see the old one or the new one."""
-    path = os.path.join(folder, paths.MLFLOW_UI_STATE)
-    with open(path + ".tmp", "w", opener=private_files.opener) as f:
-        json.dump(record, f)
-    os.replace(path + ".tmp", path)
-
-
-def _forget(folder: str, me: str, why: str) -> None:
-    """ui.json, if it still names this keeper, says the server has ended; its port stays, so
-    that the next server takes it again when it is free (old links work again)."""
+def _forget(folder: str, path: str, me: str, why: str) -> None:
+    """The state file, if it still names this keeper, says the server has ended; its port stays,
+    so that the next server takes it again when it is free (old links work again)."""
     fd = locked(folder)
     try:
-        record = read_record(folder)
+        record = read_record(path)
         if record is not None and record.get("keeper") == me:
-            write_record(folder, {"port": record.get("port"), "uri": record.get("uri"), "ended": why})
+            write_record(path, {"port": record.get("port"), "uri_key": record.get("uri_key"), "ended": why})
     finally:
         os.close(fd)
 

@@ -22,7 +22,7 @@ def init_process_group(
     and the CPU otherwise, so the same function runs on a GPU node and a laptop.
 
     - ``timeout``: seconds (or a ``timedelta``) a collective may wait before it fails;
-      default torch's (10 minutes for NCCL and gloo).
+      default torch's (10 minutes for NCCL, 30 for gloo).
     - ``tf32``: ``True`` lets float32 matrix products and convolutions use TF32 on Ampere and
       newer GPUs (faster, 10-bit mantissa), ``False`` forbids it, ``None`` (default) leaves
       torch's setting as it is. Opt-in, because it changes results.
