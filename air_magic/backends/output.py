@@ -89,6 +89,16 @@ class RankTail:
         self._splitter = LineSplitter()
 
     def add(self, text: str) -> None:
+        # Only the end of a big chunk can reach the tail: skip to just after its (TAIL_LINES + 1)th
+        # newline from the end (what comes before it is complete lines that would be dropped).
+        cut = len(text)
+        for _ in range(TAIL_LINES + 1):
+            cut = text.rfind("\n", 0, cut)
+            if cut < 0:
+                break
+        if cut > 0:
+            self._splitter.flush()  # the unfinished line before the cut ended inside the skipped part
+            text = text[cut + 1 :]
         for line in self._splitter.feed(text)[-TAIL_LINES:]:
             self.lines.append(visible(line))
 

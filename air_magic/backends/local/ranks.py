@@ -11,6 +11,8 @@ loop tracks per rank: its pidfd, its state, when it was last seen alive.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import selectors
 import signal
@@ -26,7 +28,11 @@ from air_magic.protocol import wire
 from air_magic.protocol.events import RankState
 from air_magic.worker import entry
 
-_READ_SIZE = 1 << 16  # one pipe's default capacity: one read empties a full pipe
+# A rank's stdout and stderr pipes hold this much (Linux's default is 64 KiB; 1 MiB is what an
+# unprivileged process may ask for, /proc/sys/fs/pipe-max-size): a rank printing in a burst goes
+# on writing while the caller is busy, instead of blocking every 64 KiB.
+_PIPE_SIZE = 1 << 20
+_READ_SIZE = _PIPE_SIZE  # one read empties a full pipe
 # A dead rank's pipe holds at most one capacity; reads beyond that are a grandchild
 # still writing, which must not keep the exit from being reported.
 _DRAIN_READS = 4
@@ -170,6 +176,9 @@ class RankPipes:
         """Make the rank's pipes, ``spawn(out_w, err_w)`` it, and watch its pipes and pidfd."""
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
+        for fd in (out_r, err_r):
+            with contextlib.suppress(OSError):  # refused past the user's pipe quota: the default size
+                fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, _PIPE_SIZE)
         try:
             proc = spawn(out_w, err_w)
         except BaseException:
