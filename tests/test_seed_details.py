@@ -92,14 +92,14 @@ def _mismatched_group(path):
 
 
 @pytest.mark.slow
-def test_runtime_helpers_in_real_ranks_agree_with_torch_distributed(tmp_path):
-    facts = distributed(num_accelerators=2, display="none", tracking=False)(_rank_facts).distributed()
+@pytest.mark.parametrize("warm_start", [True, False], ids=["warm", "fresh"])
+def test_runtime_helpers_in_real_ranks_agree_with_torch_distributed(tmp_path, warm_start):
+    settings = dict(num_accelerators=2, display="none", tracking=False, warm_start=warm_start)
+    facts = distributed(**settings)(_rank_facts).distributed()
     assert [f["env"] for f in facts] == [(0, 2, 0), (1, 2, 1)]
     assert [f["dist"] for f in facts] == [(0, 2), (1, 2)]
     assert all(f["local"] == (2, 0) and f["tf32"] == (True, True) for f in facts)
-    said = distributed(num_accelerators=2, display="none", tracking=False)(_mismatched_group).distributed(
-        str(tmp_path / "group")
-    )
+    said = distributed(**settings)(_mismatched_group).distributed(str(tmp_path / "group"))
     assert all("torch.distributed says 1 but the launch set WORLD_SIZE=2" in s for s in said), said
 
 
