@@ -1,14 +1,20 @@
-"""Output streaming: ranks printing as fast as they can, against the same ranks writing to /dev/null.
+"""Output streaming: what printing costs a rank, against the same rank writing to /dev/null.
 
-    python benchmarks/output_streaming.py [--lines 200000] [--repeats 3]
+    python benchmarks/output_streaming.py flood [--ranks 2] [--lines 200000] [--pairs 5]
+    python benchmarks/output_streaming.py paced [--ranks 8] [--rate 10000] [--seconds 2] [--rounds 3]
 
-Reports the median wall time of a 2-rank call whose ranks print N lines each
-(captured, logged, shown with the text display), the same with the lines
-written to /dev/null inside the rank, the overhead, and lines lost (counted in
-the logs; must be 0). Warm ranks, tracking off (the output path is measured).
-A third column writes the same lines to the rank's stdout descriptor through a
-64 KiB block buffer instead of ``sys.stdout`` (unbuffered in ranks: one write per
-line): the same caller path, fewer system calls in the rank.
+``flood``: ranks print N lines as fast as they can, captured, logged and shown
+with the text display (into a buffer), against the same calls writing the lines
+to /dev/null inside the rank; pairs interleaved (the order alternating). Reports
+medians of the slowest rank's printing loop and of the call's wall time, the
+overhead of each, and lines lost (counted in the logs; must be 0).
+
+``paced``: each rank does a fixed amount of work between lines, sized so that
+it prints RATE lines a second, and alternates rounds in one call: the work with
+the lines to /dev/null, then with the lines printed. The cost is the printed
+round's time over the quiet one's, per rank (median of rounds; the worst rank
+reported). Both run on warm CPU ranks (gloo), tracking off: the output path is
+what is measured.
 """
 
 from __future__ import annotations
@@ -25,56 +31,135 @@ from air_magic import distributed, last_run
 from air_magic.backends.local import warm
 
 
-def chatty(n: int, how: str) -> int:
+def flood(n: int, how: str) -> float:
     import os
     import sys
+    import time
 
-    if how == "devnull":
-        out = open(os.devnull, "w")  # noqa: SIM115
-    elif how == "buffered":
-        out = open(1, "w", closefd=False, buffering=1 << 16)  # noqa: SIM115
-    else:
-        out = sys.stdout
+    out = open(os.devnull, "w") if how == "devnull" else sys.stdout  # noqa: SIM115
     rank = os.environ["RANK"]
+    start = time.perf_counter()
     for i in range(n):
-        out.write(f"rank {rank} line {i} " + "." * 40 + "\n")
+        print(f"rank {rank} line {i} " + "." * 40, file=out)
     out.flush()
-    return n
+    return time.perf_counter() - start
+
+
+def paced(rate: int, seconds: float, rounds: int) -> list[tuple[float, float]]:
+    import os
+    import sys
+    import time
+
+    def work(k: int) -> int:
+        total = 0
+        for j in range(k):
+            total += j * j
+        return total
+
+    # The work per line, sized once on this rank's core so that the quiet round prints at ``rate``.
+    probe = 20_000
+    start = time.perf_counter()
+    work(probe)
+    per_line = max(1, int(probe / ((time.perf_counter() - start) * rate)))
+    lines = int(rate * seconds)
+    devnull = open(os.devnull, "w")  # noqa: SIM115
+    rank = os.environ["RANK"]
+    results = []
+    for _ in range(rounds):
+        times = []
+        for out in (devnull, sys.stdout):
+            start = time.perf_counter()
+            for i in range(lines):
+                work(per_line)
+                print(f"rank {rank} step {i} loss 0.{i:06d}", file=out)
+            out.flush()
+            times.append(time.perf_counter() - start)
+        results.append((times[0], times[1]))
+    return results
+
+
+def _header(command: str) -> None:
+    print(f"# {time.strftime('%Y-%m-%d %H:%M')} on {platform.node()}: {os.cpu_count()} cores")
+    print(f"# command: python benchmarks/output_streaming.py {command}")
+
+
+def _quietly(fn, *args):  # type: ignore[no-untyped-def]
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        return fn.distributed(*args)
+
+
+def run_flood(args: argparse.Namespace) -> None:
+    fn = distributed(num_accelerators=args.ranks, display="text", tracking=False)(flood)
+    _quietly(fn, 1, "devnull")
+    warm.get_starter(wait_s=120)
+    loop: dict[str, list[float]] = {"devnull": [], "stdout": []}
+    wall: dict[str, list[float]] = {"devnull": [], "stdout": []}
+    lost = 0
+    for pair in range(args.pairs):
+        order = ("devnull", "stdout") if pair % 2 == 0 else ("stdout", "devnull")
+        for how in order:
+            start = time.perf_counter()
+            results = _quietly(fn, args.lines, how)
+            wall[how].append(time.perf_counter() - start)
+            loop[how].append(max(results))
+            if how == "stdout":
+                info = last_run()
+                for rank in range(args.ranks):
+                    with open(info.log_path(rank)) as f:
+                        lost += args.lines - sum(1 for _ in f)
+    q_loop, l_loop = statistics.median(loop["devnull"]), statistics.median(loop["stdout"])
+    q_wall, l_wall = statistics.median(wall["devnull"]), statistics.median(wall["stdout"])
+    _header(f"flood --ranks {args.ranks} --lines {args.lines} --pairs {args.pairs}")
+    print(
+        "| ranks x lines | rank's loop, /dev/null (s) | rank's loop, printed (s) | overhead "
+        "| call, /dev/null (s) | call, printed (s) | overhead | lines lost |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    print(
+        f"| {args.ranks} x {args.lines} | {q_loop:.3f} | {l_loop:.3f} | {(l_loop / q_loop - 1) * 100:.0f} % "
+        f"| {q_wall:.2f} | {l_wall:.2f} | {(l_wall / q_wall - 1) * 100:.0f} % | {lost} |"
+    )
+
+
+def run_paced(args: argparse.Namespace) -> None:
+    fn = distributed(num_accelerators=args.ranks, display="text", tracking=False)(paced)
+    _quietly(fn, 10, 0.01, 1)
+    warm.get_starter(wait_s=120)
+    per_rank = _quietly(fn, args.rate, args.seconds, args.rounds)
+    costs = [statistics.median(loud / quiet - 1 for quiet, loud in rounds) for rounds in per_rank]
+    quiet = statistics.median(q for rounds in per_rank for q, _ in rounds)
+    rate = args.rate * args.seconds / quiet
+    _header(f"paced --ranks {args.ranks} --rate {args.rate} --seconds {args.seconds} --rounds {args.rounds}")
+    print("| ranks | lines/s per rank (quiet round) | cost per rank: median | worst rank | lines lost |")
+    print("|---|---|---|---|---|")
+    info = last_run()
+    expected = int(args.rate * args.seconds) * args.rounds
+    lost = 0
+    for rank in range(args.ranks):
+        with open(info.log_path(rank)) as f:
+            lost += expected - sum(1 for line in f if " step " in line)
+    print(
+        f"| {args.ranks} | {rate:,.0f} | {statistics.median(costs) * 100:.1f} % "
+        f"| {max(costs) * 100:.1f} % | {lost} |"
+    )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--lines", type=int, default=200_000)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="mode", required=True)
+    f = sub.add_parser("flood")
+    f.add_argument("--ranks", type=int, default=2)
+    f.add_argument("--lines", type=int, default=200_000)
+    f.add_argument("--pairs", type=int, default=5)
+    p = sub.add_parser("paced")
+    p.add_argument("--ranks", type=int, default=8)
+    p.add_argument("--rate", type=int, default=10_000)
+    p.add_argument("--seconds", type=float, default=2.0)
+    p.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    fn = distributed(num_accelerators=2, display="text", tracking=False)(chatty)
-    fn.distributed(1, "devnull")
-    warm.get_starter(wait_s=120)
-    results: dict[str, list[float]] = {"devnull": [], "stdout": [], "buffered": []}
-    lost = 0
-    for _ in range(args.repeats):
-        for how in results:
-            start = time.perf_counter()
-            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-                fn.distributed(args.lines, how)
-            results[how].append(time.perf_counter() - start)
-            if how != "devnull":
-                info = last_run()
-                for rank in (0, 1):
-                    with open(info.log_path(rank)) as f:
-                        lost += args.lines - sum(1 for _ in f)
-    quiet, loud, buffered = (statistics.median(results[k]) for k in ("devnull", "stdout", "buffered"))
-    print(f"# {time.strftime('%Y-%m-%d %H:%M')} on {platform.node()}: {os.cpu_count()} cores")
-    print(f"# command: python benchmarks/output_streaming.py --lines {args.lines} --repeats {args.repeats}")
-    print(
-        "| lines per rank | to /dev/null (s) | captured + logged + shown (s) | overhead "
-        "| the same, block-buffered in the rank (s) | its overhead | lines lost |"
-    )
-    print("|---|---|---|---|---|---|---|")
-    print(
-        f"| {args.lines} | {quiet:.2f} | {loud:.2f} | {(loud / quiet - 1) * 100:.0f} % "
-        f"| {buffered:.2f} | {(buffered / quiet - 1) * 100:.0f} % | {lost} |"
-    )
+    run_flood(args) if args.mode == "flood" else run_paced(args)
 
 
 if __name__ == "__main__":

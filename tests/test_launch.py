@@ -212,6 +212,9 @@ def _chatty(n):
     rank = os.environ["RANK"]
     for i in range(n):
         print(f"line {i} of rank {rank}")
+    # A print flood is written in chunks (worker/live_stdout.py); descriptor-level writes go
+    # straight to the pipe, so, as with a plain `python` whose stdout is a pipe, flush first.
+    sys.stdout.flush()
     os.write(1, f"raw write from rank {rank}\n".encode())
     libc = ctypes.CDLL(None)
     libc.printf(f"C printf from rank {rank}\n".encode())

@@ -31,3 +31,20 @@ def test_an_endless_line_is_handed_back_in_bounded_pieces():
     assert split.feed("x" * 25) == ["x" * 25]
     assert split.rest() == ""
     assert split.feed("abc") == [] and split.flush() == "abc"
+
+
+def test_feed_block_gives_what_feed_gives_for_any_chunking():
+    import random
+
+    rng = random.Random(7)
+    alphabet = ["a", "b", "\n", "\r", "é", "xyz"]
+    for _ in range(300):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 60)))
+        cuts = sorted(rng.sample(range(len(text) + 1), k=min(len(text) + 1, rng.randint(0, 6))))
+        chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+        by_line, by_block = LineSplitter(max_partial=8), LineSplitter(max_partial=8)
+        for chunk in chunks:
+            lines = by_line.feed(chunk)
+            block = by_block.feed_block(chunk)
+            assert block == ("\n".join(lines) if lines else None), (chunks, chunk)
+            assert by_block.rest() == by_line.rest()

@@ -70,7 +70,17 @@ def _process_facts():
         "sigpipe": int(signal.getsignal(signal.SIGPIPE)),
         "umask": mask,
         "flags": tuple(sys.flags),
-        "stdout": (sys.stdout.write_through, sys.stdout.encoding, sys.stderr.errors),
+        **{
+            name: (
+                type(s).__name__,
+                type(s.buffer).__name__,
+                s.write_through,
+                s.line_buffering,
+                s.encoding,
+                s.errors,
+            )
+            for name, s in (("stdout", sys.stdout), ("stderr", sys.stderr))
+        },
         "stdin": os.read(0, 1),
         "main": sys.modules["__main__"].__name__,
     }

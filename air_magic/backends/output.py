@@ -137,13 +137,17 @@ class OutputRouter:
 
     def _log(self, rank: int, stream: str, data: bytes) -> None:
         key = (rank, stream)
-        pending = self._pending[key] + data
-        cut = pending.rfind(b"\n") + 1
-        if len(pending) - cut > MAX_PARTIAL:
-            cut = len(pending)
-        if cut:
-            _write_all(self._log_fds[rank], pending[:cut])
-        self._pending[key] = pending[cut:]
+        pending = self._pending[key]
+        cut = data.rfind(b"\n") + 1
+        if cut:  # the unfinished line before, then the chunk's whole lines: one write, no copy
+            _write_all(self._log_fds[rank], pending, memoryview(data)[:cut])
+            pending = data[cut:]
+        else:
+            pending += data
+        if len(pending) > MAX_PARTIAL:  # a line that never ends: written in pieces
+            _write_all(self._log_fds[rank], pending)
+            pending = b""
+        self._pending[key] = pending
 
     def close(self) -> None:
         for (rank, _stream), pending in self._pending.items():
@@ -159,7 +163,12 @@ class OutputRouter:
         self._log_fds = []
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
+def _write_all(fd: int, *parts: bytes | memoryview) -> None:
+    """Append ``parts`` in order, in one system call when the kernel takes them whole."""
+    views = [memoryview(p) for p in parts if len(p)]
+    while views:
+        written = os.writev(fd, views)
+        while views and written >= len(views[0]):
+            written -= len(views.pop(0))
+        if views:
+            views[0] = views[0][written:]

@@ -12,6 +12,7 @@ the full log is on disk.
 from __future__ import annotations
 
 import collections
+import itertools
 from dataclasses import dataclass, field
 
 from air_magic.protocol.lines import LineSplitter, visible
@@ -29,7 +30,11 @@ class RankScreen:
 
     def write(self, stream: str, text: str) -> None:
         splitter = self._splitters.setdefault(stream, LineSplitter())
-        for line in splitter.feed(text):
+        lines = splitter.feed(text)
+        if len(lines) > self.max_lines:  # a flood's chunk: only its end can stay on the screen
+            self.dropped += len(lines) - self.max_lines
+            lines = lines[-self.max_lines :]
+        for line in lines:
             self._append(stream, visible(line))
 
     def _append(self, stream: str, line: str) -> None:
@@ -45,11 +50,9 @@ class RankScreen:
         partial = [(s, visible(split.rest())[-_MAX_LINE_CHARS:]) for s, split in self._splitters.items()]
         rows = list(self.lines) + [(s, p) for s, p in partial if p]
         outputs: list[dict[str, str]] = []
-        for stream, line in rows:
-            if outputs and outputs[-1]["name"] == stream:
-                outputs[-1]["text"] += line + "\n"
-            else:
-                outputs.append({"output_type": "stream", "name": stream, "text": line + "\n"})
+        for stream, group in itertools.groupby(rows, key=lambda row: row[0]):
+            text = "".join(line + "\n" for _, line in group)
+            outputs.append({"output_type": "stream", "name": stream, "text": text})
         return tuple(outputs)
 
     def text(self) -> str:

@@ -87,23 +87,26 @@ class TextDisplay:
         if self._ranks is not None and event.rank not in self._ranks:
             return
         splitter = self._splitters.setdefault((event.rank, event.stream), LineSplitter())
-        lines = splitter.feed(event.text)
-        if lines:
-            self._write(event.rank, event.stream, lines)
+        block = splitter.feed_block(event.text)
+        if block is not None:
+            self._write(event.rank, event.stream, block)
 
     def _flush_rank(self, rank: int) -> None:
         for stream in ("stdout", "stderr"):
             splitter = self._splitters.get((rank, stream))
             rest = splitter.flush() if splitter is not None else ""
             if rest:
-                self._write(rank, stream, [rest])
+                self._write(rank, stream, rest)
 
-    def _write(self, rank: int, stream: str, lines: list[str]) -> None:
+    def _write(self, rank: int, stream: str, block: str) -> None:
+        """Write ``block`` (lines joined by newlines), each line behind the rank's prefix."""
         prefix = f"[rank {rank:>{self._width}}] "
         if self._colour:
             prefix = f"\x1b[{_COLOURS[rank % len(_COLOURS)]}m{prefix}\x1b[0m"
-        # One write per chunk, not per line: chatty ranks stay cheap.
-        text = "".join(prefix + visible(line) + "\n" for line in lines)
+        if "\r" in block:  # a redrawn line shows as its last redraw
+            block = "\n".join(visible(line) for line in block.split("\n"))
+        # One write per chunk, prefixed in C: a flood of lines stays cheap.
+        text = prefix + block.replace("\n", "\n" + prefix) + "\n"
         target = self._stream(stream)
         target.write(text)
         target.flush()

@@ -28,6 +28,23 @@ class LineSplitter:
             self._rest = ""
         return lines
 
+    def feed_block(self, text: str) -> str | None:
+        """What :meth:`feed` returns, as one string (the lines joined by ``\\n``), or None for no line.
+
+        For a reader that handles lines in bulk (a flood is thousands per chunk):
+        no list of line objects is made.
+        """
+        cut = text.rfind("\n")
+        if cut < 0:
+            lines = self.feed(text)  # no newline: at most the over-long unfinished line comes back
+            return lines[0] if lines else None
+        done = self._rest + text[:cut]
+        self._rest = _from_last_redraw(text[cut + 1 :])
+        if len(self._rest) > self.max_partial:
+            done += "\n" + self._rest
+            self._rest = ""
+        return done
+
     def rest(self) -> str:
         """The unfinished line so far."""
         return self._rest

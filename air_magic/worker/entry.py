@@ -41,6 +41,7 @@ import psutil
 
 from air_magic.protocol import env_names, serialization, wire
 from air_magic.protocol.stacks import STACKS_SIGNAL, stacks_path
+from air_magic.worker import live_stdout
 from air_magic.worker import mlflow_hook as rank_mlflow
 
 # The launcher passes this to ``python -c``; argv[1] is the run directory.
@@ -69,6 +70,7 @@ def main(transport: wire.RankTransport) -> NoReturn:
     faulthandler.enable(all_threads=True)
     _answer_stack_requests()
     _watch_lifeline()
+    live_stdout.start()  # buffers stdout only while the rank floods it
     rank_mlflow.install()  # only a hook: mlflow is patched if and when the rank imports it
     rank = transport.rank
     stage = "load"
@@ -133,7 +135,9 @@ def _report(transport: wire.RankTransport, stage: str, exc: BaseException) -> No
         transport.write_error(serialization.dumps(record))
     except Exception:  # noqa: BLE001 - the text still reaches the log
         pass
-    # The traceback also goes to the rank's stderr, so the log tells the story on its own.
+    # The traceback also goes to the rank's stderr, so the log tells the story on its own,
+    # after what the rank printed before it.
+    live_stdout.flush()
     sys.stderr.write(text)
 
 
@@ -214,6 +218,7 @@ def install_exit_hook() -> None:
 
 def _end_of_rank() -> None:
     if _in_rank:
+        live_stdout.finish()  # after every other atexit hook: what they printed is written too
         _kill_descendants()
 
 
@@ -225,6 +230,7 @@ def _exit(code: int) -> NoReturn:
     shutdown; a forked rank catches this ``SystemExit`` in the starter's code and
     ends through :func:`air_magic.worker.shutdown.end_forked_rank` (same steps, faster).
     """
+    live_stdout.flush()  # the rank's own stdout, even if the user replaced sys.stdout
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

@@ -207,7 +207,7 @@ def _unbuffered_like(stream: Any, fd: int) -> io.TextIOWrapper:
         encoding=stream.encoding,
         errors=stream.errors,
         write_through=True,
-        line_buffering=True,
+        line_buffering=False,  # what `-u` gives a fresh interpreter (Python/pylifecycle.c, create_stdio)
     )
 
 
