@@ -242,8 +242,9 @@ def _at_exit() -> None:
 
 
 def prestart_local() -> None:
-    """Put the warm starter on its way now (``%load_ext``), so the first call finds torch imported."""
-    warm.prestart()
+    """Put the warm starter on its way now (``%load_ext``), so the first call finds torch imported
+    (and mlflow: calls are tracked unless they say otherwise)."""
+    warm.prestart(tracked=True)
 
 
 def restart_warm_start() -> None:

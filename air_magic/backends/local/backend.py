@@ -49,7 +49,7 @@ class LocalBackend:
         if self.warm_start:
             # First: the starter imports torch while this process does its own imports. The call's
             # env= may hold start-up variables (PYTHONHASHSEED...), which the starter must start with.
-            warm.prestart(settings.log_dir, settings.env)
+            warm.prestart(settings.log_dir, settings.env, tracked=settings.tracking)
         self._stop_requested.clear()  # here, not in run(): a stop() between the two still counts
         return plan_accelerators(settings.num_accelerators, settings.accelerator_type)
 

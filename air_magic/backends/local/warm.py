@@ -10,7 +10,12 @@ The starter is rebuilt when it would be stale: another interpreter, another
 (a site-packages folder's modification time changed). ``restart()`` rebuilds
 it on request; ``AIR_MAGIC_WARM=0`` (or ``warm_start=False``) turns it off.
 
-Preloaded modules: ``AIR_MAGIC_PRELOAD`` (comma-separated), default ``torch``.
+Preloaded modules: ``AIR_MAGIC_PRELOAD`` (comma-separated), default ``torch``, and,
+when the call that starts the starter is tracked, what a rank imports when it logs to
+MLflow (:func:`tracking_preload`): ``mlflow`` and, for a database store (the embedded
+one is sqlite), its SQLAlchemy store, 2-3 s a rank otherwise. Those extras are not part
+of the starter's identity: an untracked call uses a starter that has them, and a
+tracked call one that lacks them (its ranks import mlflow themselves), neither rebuilds.
 
 **Start-up variables.** Some variables act only when a process starts
 (``PYTHONHASHSEED``, ``PYTHONWARNINGS``, ``PYTHONMALLOC``, ``LD_PRELOAD``,
@@ -72,6 +77,27 @@ def preload_list() -> list[str]:
     return [n for n in names if n and importlib.util.find_spec(n.split(".")[0]) is not None]
 
 
+_DATABASE_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
+
+
+def tracking_preload() -> list[str]:
+    """What a tracked call's ranks import as they log: mlflow, and the store its URI names.
+
+    Measured (benchmarks/seed_as_pasted.py, docs/benchmarks.md): a rank's ``import mlflow``
+    takes about 1.1 s and its first ``log_metric`` 0.9 s more, most of it importing the
+    SQLAlchemy store; in the starter, both overlap the caller's own MLflow start-up. The
+    URI is judged from ``MLFLOW_TRACKING_URI`` only (unset: the embedded sqlite store),
+    never by importing mlflow here. An explicit ``AIR_MAGIC_PRELOAD`` is the whole list.
+    """
+    if os.environ.get(env_names.PRELOAD) is not None or importlib.util.find_spec("mlflow") is None:
+        return []
+    uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+    scheme = uri.split(":", 1)[0].split("+", 1)[0] if ":" in uri else ""
+    if not uri or scheme in _DATABASE_SCHEMES:
+        return ["mlflow", "mlflow.store.tracking.sqlalchemy_store"]
+    return ["mlflow"]
+
+
 # Variables read when an interpreter (or torch, OpenMP, the C library) starts: a fork
 # cannot change them. Prefixes, then whole names; then exceptions that are read later
 # (each time they are used, or by the rank itself) or that air_magic sets per rank.
@@ -122,10 +148,15 @@ class Starter:
     """The caller's handle on its starter process."""
 
     def __init__(
-        self, preload: list[str], log_path: str | None = None, startup_env: Mapping[str, str] | None = None
+        self,
+        preload: list[str],
+        log_path: str | None = None,
+        startup_env: Mapping[str, str] | None = None,
+        extra_preload: list[str] | None = None,
     ):
         self.preload = preload
-        self.fingerprint = fingerprint(preload)
+        self.fingerprint = fingerprint(preload)  # the extras (tracking_preload) are not part of it
+        self.extra_preload = [n for n in extra_preload or [] if n not in preload]
         self.startup_env = dict(startup_environment(os.environ) if startup_env is None else startup_env)
         self.log_path = log_path
         self.started_at = time.monotonic()
@@ -141,7 +172,7 @@ class Starter:
                     "-c",
                     _BOOTSTRAP,
                     str(child.fileno()),
-                    json.dumps(preload),
+                    json.dumps(preload + self.extra_preload),
                     json.dumps(sys.path),
                 ],
                 pass_fds=(child.fileno(),),
@@ -265,13 +296,18 @@ def starter_wait_s() -> float:
 _stuck: set[str] = set()  # fingerprints of starters that never became ready: go cold until restart()
 
 
-def prestart(log_root: str | None = None, env: Mapping[str, str] | None = None) -> None:
+def prestart(
+    log_root: str | None = None, env: Mapping[str, str] | None = None, tracked: bool = False
+) -> None:
     """Make sure a starter is on its way, without waiting for it.
 
     ``env`` is the call's extra environment: its start-up variables go to the starter.
+    ``tracked``: the call records an MLflow run, so a new starter also preloads
+    :func:`tracking_preload`.
     """
     if enabled():
-        get_starter(log_root, startup_environment({**os.environ, **(env or {})}), wait_s=0.0)
+        extra = tracking_preload() if tracked else []
+        get_starter(log_root, startup_environment({**os.environ, **(env or {})}), extra_preload=extra)
 
 
 def get_starter(
@@ -279,6 +315,7 @@ def get_starter(
     startup_env: Mapping[str, str] | None = None,
     wait_s: float = 0.0,
     hold: bool = False,
+    extra_preload: list[str] | None = None,
 ) -> Starter | None:
     """The ready starter for ranks with these start-up variables (waiting up to ``wait_s``), or None.
 
@@ -309,7 +346,7 @@ def get_starter(
             _starter = None
         if _starter is None:
             try:
-                _starter = Starter(preload, _starter_log(log_root), wanted)
+                _starter = Starter(preload, _starter_log(log_root), wanted, extra_preload)
             except (OSError, ConfigurationError):
                 # The log folder cannot be written: the call's own log folder will say so
                 # clearly (output.make_log_dir); this call simply starts fresh ranks.
