@@ -142,6 +142,9 @@ def run_paced(args: argparse.Namespace) -> None:
         f"| {args.ranks} | {rate:,.0f} | {statistics.median(costs) * 100:.1f} % "
         f"| {max(costs) * 100:.1f} % | {lost} |"
     )
+    print("# per rank, each round's printed/quiet ratio:")
+    for rank, rounds in enumerate(per_rank):
+        print(f"#   rank {rank}: " + ", ".join(f"{loud / quiet:.3f}" for quiet, loud in rounds))
 
 
 def main() -> None:

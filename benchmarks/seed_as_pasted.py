@@ -15,13 +15,16 @@ Reports per variant the median process wall time, the median call time (what
 the example's call took, from its own "succeeded in" line), the ratio
 logged/unlogged per pair with its median and a bootstrap 90 % interval, and
 the rows in each logged run's store (must be every step of every rank).
-``--cpu`` runs the example on CPU ranks (gloo; ``torch.cuda.set_device`` and
+``--trace`` adds time stamps to the copies (the process's start, the rank's,
+after ``setup()``, after training, around the call) and prints each run's
+phases. ``--cpu`` runs the example on CPU ranks (gloo; ``torch.cuda.set_device`` and
 ``cuda:`` devices swapped out in the copy), for machines without GPUs.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -37,10 +40,29 @@ ROOT = os.path.dirname(HERE)
 EXAMPLE = os.path.join(ROOT, "examples", "seed_mlp.py")
 
 
-def _variant_source(logged: bool, epochs: int, cpu: bool) -> str:
+_MARK = "@@ {label} {{__import__('time').time()}}"
+
+
+def _mark(label: str, indent: str) -> str:
+    return f'{indent}print(f"{_MARK.format(label=label)}", flush=True)\n'
+
+
+def _variant_source(logged: bool, epochs: int, cpu: bool, trace: bool = False) -> str:
     with open(EXAMPLE) as f:
         source = f.read()
     source = source.replace("num_epochs=3", f"num_epochs={epochs}")
+    if trace:  # time stamps: where the process's seconds go (the call's phases, before and after it)
+        source = _mark("process", "") + source
+        source = source.replace(
+            ") -> None:\n    import mlflow\n", ") -> None:\n" + _mark("rank", "    ") + "    import mlflow\n"
+        )
+        source = source.replace("    setup()\n", "    setup()\n" + _mark("setup", "    "))
+        source = source.replace("    cleanup()\n\n", _mark("trained", "    ") + "    cleanup()\n\n")
+        source = source.replace(
+            "    run_train.distributed(",
+            _mark("call", "    ") + "    try:\n        run_train.distributed(",
+        )
+        source = source.rstrip("\n") + "\n    finally:\n" + _mark("returned", "        ")
     if not logged:
         source = source.replace("mlflow.log_metric(", "(lambda *args, **kwargs: None)(")
     if cpu:
@@ -55,8 +77,18 @@ def _one_run(path: str, store_dir: str) -> tuple[float, float, str]:
     env = dict(os.environ, AIR_MAGIC_MLFLOW_DIR=store_dir, MLFLOW_DISABLE_TELEMETRY="true")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
     start = time.perf_counter()
+    began = time.time()
     done = subprocess.run([sys.executable, path], env=env, capture_output=True, text=True, check=False)
     wall = time.perf_counter() - start
+    ended = time.time()
+    marks = dict(re.findall(r"@@ (\w+) ([0-9.]+)", done.stdout + done.stderr))
+    if marks:  # --trace: the seconds between consecutive marks, from the launch to the exit
+        stamps = [("launch", began)] + [(k, float(v)) for k, v in marks.items()] + [("exit", ended)]
+        print(
+            "  phases: "
+            + ", ".join(f"{a}->{b} {tb - ta:.2f}" for (a, ta), (b, tb) in itertools.pairwise(stamps)),
+            flush=True,
+        )
     if done.returncode != 0:
         raise SystemExit(f"{path} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     found = re.search(r"succeeded in ([0-9.]+) s", done.stdout + done.stderr)
@@ -90,13 +122,14 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--cpu", action="store_true")
+    parser.add_argument("--trace", action="store_true", help="print where each run's seconds go")
     args = parser.parse_args()
     work = tempfile.mkdtemp(prefix="air_magic-seed-pasted-")
     paths = {}
     for name, logged in (("logged", True), ("unlogged", False)):
         paths[name] = os.path.join(work, f"seed_{name}.py")
         with open(paths[name], "w") as f:
-            f.write(_variant_source(logged, args.epochs, args.cpu))
+            f.write(_variant_source(logged, args.epochs, args.cpu, args.trace))
     walls: dict[str, list[float]] = {"logged": [], "unlogged": []}
     calls: dict[str, list[float]] = {"logged": [], "unlogged": []}
     rows = []
@@ -120,7 +153,8 @@ def main() -> None:
                 "date": time.strftime("%Y-%m-%d %H:%M"),
                 "command": "python benchmarks/seed_as_pasted.py "
                 + f"--pairs {args.pairs} --epochs {args.epochs}"
-                + (" --cpu" if args.cpu else ""),
+                + (" --cpu" if args.cpu else "")
+                + (" --trace" if args.trace else ""),
                 "cores": os.cpu_count(),
                 "process_s": {k: [round(t, 2) for t in v] for k, v in walls.items()},
                 "call_s": {k: [round(t, 2) for t in v] for k, v in calls.items()},
