@@ -63,6 +63,26 @@ def _variant_source(logged: bool, epochs: int, cpu: bool, trace: bool = False) -
             _mark("call", "    ") + "    try:\n        run_train.distributed(",
         )
         source = source.rstrip("\n") + "\n    finally:\n" + _mark("returned", "        ")
+    if trace and logged:  # and the time each log_metric call takes in the rank
+        source = source.replace(
+            "    import mlflow\n",
+            "    import mlflow\n"
+            "    _log, _spent = mlflow.log_metric, []\n"
+            "    def _timed(*args, **kwargs):\n"
+            "        began = __import__('time').perf_counter()\n"
+            "        try:\n"
+            "            return _log(*args, **kwargs)\n"
+            "        finally:\n"
+            "            _spent.append(__import__('time').perf_counter() - began)\n"
+            "    mlflow.log_metric = _timed\n",
+            1,
+        )
+        source = source.replace(
+            "    cleanup()\n\n",
+            "    print(f'@@logging total={sum(_spent):.3f}s calls={len(_spent)} first={_spent[0]:.3f}s '\n"
+            "          f'over_1ms={sum(t > 1e-3 for t in _spent)} max={max(_spent):.4f}s', flush=True)\n"
+            "    cleanup()\n\n",
+        )
     if not logged:
         source = source.replace("mlflow.log_metric(", "(lambda *args, **kwargs: None)(")
     if cpu:
@@ -82,6 +102,8 @@ def _one_run(path: str, store_dir: str) -> tuple[float, float, str]:
     wall = time.perf_counter() - start
     ended = time.time()
     marks = dict(re.findall(r"@@ (\w+) ([0-9.]+)", done.stdout + done.stderr))
+    for line in re.findall(r"@@logging .*", done.stdout + done.stderr):
+        print("  " + line[2:], flush=True)
     if marks:  # --trace: the seconds between consecutive marks, from the launch to the exit
         stamps = [("launch", began)] + [(k, float(v)) for k, v in marks.items()] + [("exit", ended)]
         print(
