@@ -10,10 +10,13 @@ medians of the slowest rank's printing loop and of the call's wall time, the
 overhead of each, and lines lost (counted in the logs; must be 0).
 
 ``paced``: each rank does a fixed amount of work between lines, sized so that
-it prints RATE lines a second, and alternates rounds in one call: the work with
-the lines to /dev/null, then with the lines printed. The cost is the printed
-round's time over the quiet one's, per rank (median of rounds; the worst rank
-reported). Both run on warm CPU ranks (gloo), tracking off: the output path is
+it prints RATE lines a second, and alternates blocks of 0.1 s in one call: the
+work with the lines to /dev/null, then with the lines printed (the order
+flipping each block); a round is SECONDS of each. The cost is the printed
+round's time over the quiet one's, per rank (median of rounds; the median and
+the worst rank reported), in wall time and in the rank's CPU time (its threads
+included: the flusher's work counts), which other processes' scheduling does
+not blur. Both run on warm CPU ranks (gloo), tracking off: the output path is
 what is measured.
 """
 
@@ -64,17 +67,24 @@ def paced(rate: int, seconds: float, rounds: int) -> list[tuple[float, float]]:
     lines = int(rate * seconds)
     devnull = open(os.devnull, "w")  # noqa: SIM115
     rank = os.environ["RANK"]
+    # Quiet and printed blocks of 0.1 s alternate (the order flipping each block), so that a
+    # machine's drift (frequency, neighbours) falls on both alike; a round sums its blocks.
+    block = max(1, rate // 10)
     results = []
+    step = 0
     for _ in range(rounds):
-        times = []
-        for out in (devnull, sys.stdout):
-            start = time.perf_counter()
-            for i in range(lines):
-                work(per_line)
-                print(f"rank {rank} step {i} loss 0.{i:06d}", file=out)
-            out.flush()
-            times.append(time.perf_counter() - start)
-        results.append((times[0], times[1]))
+        spent = {id(devnull): [0.0, 0.0], id(sys.stdout): [0.0, 0.0]}
+        for b in range(max(1, lines // block)):
+            for out in (devnull, sys.stdout) if b % 2 == 0 else (sys.stdout, devnull):
+                start, cpu = time.perf_counter(), time.process_time()
+                for _ in range(block):
+                    work(per_line)
+                    print(f"rank {rank} step {step} loss 0.{step:06d}", file=out)
+                    step += 1
+                out.flush()
+                spent[id(out)][0] += time.perf_counter() - start
+                spent[id(out)][1] += time.process_time() - cpu
+        results.append((*spent[id(devnull)], *spent[id(sys.stdout)]))
     return results
 
 
@@ -126,25 +136,32 @@ def run_paced(args: argparse.Namespace) -> None:
     _quietly(fn, 10, 0.01, 1)
     warm.get_starter(wait_s=120)
     per_rank = _quietly(fn, args.rate, args.seconds, args.rounds)
-    costs = [statistics.median(loud / quiet - 1 for quiet, loud in rounds) for rounds in per_rank]
-    quiet = statistics.median(q for rounds in per_rank for q, _ in rounds)
+    # Per rank, the median over rounds of printed/quiet: wall time, and CPU time (the rank's
+    # process, its threads included), which other processes' scheduling does not blur.
+    wall = [statistics.median(lw / qw for qw, _, lw, _ in rounds) - 1 for rounds in per_rank]
+    cpu = [statistics.median(lc / qc for _, qc, _, lc in rounds) - 1 for rounds in per_rank]
+    quiet = statistics.median(r[0] for rounds in per_rank for r in rounds)
     rate = args.rate * args.seconds / quiet
     _header(f"paced --ranks {args.ranks} --rate {args.rate} --seconds {args.seconds} --rounds {args.rounds}")
-    print("| ranks | lines/s per rank (quiet round) | cost per rank: median | worst rank | lines lost |")
-    print("|---|---|---|---|---|")
+    print(
+        "| ranks | lines/s per rank (quiet round) | wall cost: median rank | worst rank "
+        "| CPU cost: median rank | worst rank | lines lost |"
+    )
+    print("|---|---|---|---|---|---|---|")
     info = last_run()
-    expected = int(args.rate * args.seconds) * args.rounds
+    block = max(1, args.rate // 10)
+    expected = max(1, int(args.rate * args.seconds) // block) * block * args.rounds
     lost = 0
     for rank in range(args.ranks):
         with open(info.log_path(rank)) as f:
             lost += expected - sum(1 for line in f if " step " in line)
     print(
-        f"| {args.ranks} | {rate:,.0f} | {statistics.median(costs) * 100:.1f} % "
-        f"| {max(costs) * 100:.1f} % | {lost} |"
+        f"| {args.ranks} | {rate:,.0f} | {statistics.median(wall) * 100:.1f} % | {max(wall) * 100:.1f} % "
+        f"| {statistics.median(cpu) * 100:.1f} % | {max(cpu) * 100:.1f} % | {lost} |"
     )
-    print("# per rank, each round's printed/quiet ratio:")
+    print("# per rank, each round's printed/quiet ratio, wall (CPU):")
     for rank, rounds in enumerate(per_rank):
-        print(f"#   rank {rank}: " + ", ".join(f"{loud / quiet:.3f}" for quiet, loud in rounds))
+        print(f"#   rank {rank}: " + ", ".join(f"{lw / qw:.3f} ({lc / qc:.3f})" for qw, qc, lw, lc in rounds))
 
 
 def main() -> None:
