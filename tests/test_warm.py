@@ -106,3 +106,46 @@ def test_a_forked_rank_finds_what_it_needs_to_exit_already_imported(starter):
     (psutil at exit cost each warm call 15 ms when the lazy package stopped pulling it in)."""
     fn = distributed(num_accelerators=2, display="none", tracking=False)(_modules_a_rank_will_need)
     assert fn.distributed() == [{"psutil": True, "air_magic.worker.shutdown": True, "cloudpickle": True}] * 2
+
+
+def _preloaded_for_tracking():
+    import sys
+
+    return "mlflow" in sys.modules, "mlflow.store.tracking.sqlalchemy_store" in sys.modules
+
+
+def test_a_tracked_call_starts_a_starter_that_has_mlflow_imported(store):
+    restart_warm_start()
+    tracked = distributed(num_accelerators=2, display="none")(_preloaded_for_tracking)
+    assert tracked.distributed() == [(True, True)] * 2  # a rank that logs skips 2-3 s of imports
+    starter = warm.get_starter()
+    # The extras are not part of the starter's identity: an untracked call uses it as it is.
+    assert tracked.with_overrides(tracking=False).distributed() == [(True, True)] * 2
+    assert warm.get_starter() is starter
+
+
+def test_an_untracked_call_starts_a_starter_without_mlflow_and_a_tracked_call_keeps_it(store):
+    restart_warm_start()
+    untracked = distributed(num_accelerators=2, display="none", tracking=False)(_preloaded_for_tracking)
+    assert untracked.distributed() == [(False, False)] * 2  # an untracked call waits for torch only
+    starter = warm.get_starter()
+    assert untracked.with_overrides(tracking=True).distributed() == [(False, False)] * 2
+    assert warm.get_starter() is starter  # not rebuilt for the extras
+
+
+def test_the_tracking_extras_follow_the_store_and_an_explicit_list(monkeypatch):
+    monkeypatch.delenv("AIR_MAGIC_PRELOAD", raising=False)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    store_module = "mlflow.store.tracking.sqlalchemy_store"
+    assert warm.tracking_preload() == ["mlflow", store_module]  # the embedded store is sqlite
+    for uri, expected in (
+        ("sqlite:////tmp/x.db", ["mlflow", store_module]),
+        ("postgresql+psycopg2://db/mlflow", ["mlflow", store_module]),
+        ("http://127.0.0.1:5000", ["mlflow"]),
+        ("databricks", ["mlflow"]),
+        ("/tmp/mlruns", ["mlflow"]),
+    ):
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+        assert warm.tracking_preload() == expected, uri
+    monkeypatch.setenv("AIR_MAGIC_PRELOAD", "torch")
+    assert warm.tracking_preload() == []  # the user's list is the whole list
