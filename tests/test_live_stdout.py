@@ -9,10 +9,16 @@ a stream the user reconfigured is theirs.
 
 from __future__ import annotations
 
+import io
+import os
+import threading
+import time
+
 import pytest
 
 from air_magic import distributed, last_run
 from air_magic.errors import RankFailedError
+from air_magic.worker.live_stdout import StdoutWriter
 
 MODES = [pytest.param(True, id="warm"), pytest.param(False, id="fresh")]
 FLOOD = 20_000  # lines printed in a tight loop: well past the flood rate
@@ -148,3 +154,45 @@ def test_a_flood_then_an_error_loses_no_line(warm_start):
     log = _log_lines(0)
     assert [line for line in log if line.startswith("line ")] == [f"line {i}" for i in range(FLOOD)]
     assert "ValueError: after the flood" in log
+
+
+def test_a_flush_from_another_thread_never_splices_lines_under_back_pressure():
+    """The flusher thread and the rank's prints share one writer: whole chunks, every byte, in order.
+
+    A pipe whose reader is slow makes both writers block mid-write (Linux splices writes over
+    4 KiB from two writers); a FileIO without the writer's lock garbled lines here.
+    """
+    r, w = os.pipe()
+    stream = io.TextIOWrapper(StdoutWriter(w), encoding="utf-8", write_through=False)
+    stream._CHUNK_SIZE = 1 << 16
+    received = bytearray()
+
+    def read_slowly():
+        while True:
+            time.sleep(0.002)
+            chunk = os.read(r, 4096)
+            if not chunk:
+                return
+            received.extend(chunk)
+
+    def flush_every_tick(stop):
+        while not stop.wait(0.02):
+            stream.flush()
+
+    reader = threading.Thread(target=read_slowly)
+    stop = threading.Event()
+    flusher = threading.Thread(target=flush_every_tick, args=(stop,))
+    reader.start()
+    flusher.start()
+    n = 150_000
+    for i in range(n):
+        stream.write(f"{i:08d}\n")
+        if i % 500 == 0:
+            time.sleep(0.0005)  # the rank's own pauses: the flusher writes while a chunk is pending
+    stop.set()
+    flusher.join()
+    stream.flush()
+    os.close(w)
+    reader.join()
+    os.close(r)
+    assert received.decode().splitlines() == [f"{i:08d}" for i in range(n)]

@@ -40,6 +40,7 @@ import traceback
 from typing import Any, NoReturn
 
 from air_magic.protocol import env_names
+from air_magic.worker import live_stdout
 
 _MAX_MESSAGE = 1 << 20  # a spawn request holds the rank's environment: large, never a megabyte
 
@@ -188,8 +189,9 @@ def _take_over_process(
         os.close(fd)
     # Unbuffered text streams on the new fds, as `python -u` would give, with the starter's
     # own (a fresh interpreter's) encodings; the __std*__ originals too, so that nothing
-    # written through them waits in a buffer.
-    sys.stdout = sys.__stdout__ = _unbuffered_like(sys.stdout, 1)  # type: ignore[misc]
+    # written through them waits in a buffer. stdout is the one a fresh rank gets too
+    # (worker/live_stdout.py: buffered only while the rank floods it).
+    sys.stdout = sys.__stdout__ = live_stdout.make_stdout(sys.stdout)  # type: ignore[misc]
     sys.stderr = sys.__stderr__ = _unbuffered_like(sys.stderr, 2)  # type: ignore[misc]
     env = dict(request["env"])
     env[env_names.LIFELINE_FD] = str(lifeline_r)

@@ -78,6 +78,7 @@ def preload_list() -> list[str]:
 
 
 _DATABASE_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
+_last_extras: list[str] = []  # what the last prestart asked for: a rebuild elsewhere keeps it
 
 
 def tracking_preload() -> list[str]:
@@ -105,7 +106,8 @@ _STARTUP_PREFIXES = (
     *("PYTHON", "LD_", "MALLOC_", "GLIBC_", "TORCH_", "PYTORCH_"),
     *("OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "LC_"),
 )
-_STARTUP_NAMES = frozenset({"LANG", "LANGUAGE", "TZ"})
+# MLflow's two read when it is imported, which a tracked call's starter does (tracking_preload).
+_STARTUP_NAMES = frozenset({"LANG", "LANGUAGE", "TZ", "MLFLOW_CONFIGURE_LOGGING", "MLFLOW_LOGGING_LEVEL"})
 _LATER_PREFIXES = ("TORCH_NCCL_", "TORCH_DISTRIBUTED_", "TORCHELASTIC_")
 _LATER_NAMES = frozenset(
     {
@@ -305,9 +307,10 @@ def prestart(
     ``tracked``: the call records an MLflow run, so a new starter also preloads
     :func:`tracking_preload`.
     """
+    global _last_extras
     if enabled():
-        extra = tracking_preload() if tracked else []
-        get_starter(log_root, startup_environment({**os.environ, **(env or {})}), extra_preload=extra)
+        _last_extras = tracking_preload() if tracked else []
+        get_starter(log_root, startup_environment({**os.environ, **(env or {})}), extra_preload=_last_extras)
 
 
 def get_starter(
@@ -346,7 +349,8 @@ def get_starter(
             _starter = None
         if _starter is None:
             try:
-                _starter = Starter(preload, _starter_log(log_root), wanted, extra_preload)
+                extras = _last_extras if extra_preload is None else extra_preload
+                _starter = Starter(preload, _starter_log(log_root), wanted, extras)
             except (OSError, ConfigurationError):
                 # The log folder cannot be written: the call's own log folder will say so
                 # clearly (output.make_log_dir); this call simply starts fresh ranks.
