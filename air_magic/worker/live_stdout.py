@@ -22,7 +22,8 @@ lose its last tick of stdout, and a stderr line, or a descriptor-level write
 (C ``printf``), may show up ahead of stdout lines printed just before it
 (stderr is never buffered). docs/architecture.md, "Rank output".
 
-A stream the user reconfigured is left to them; a fork of the rank writes
+A flood is noticed at once: the writer wakes the watcher when the tick's count
+passes the threshold. A stream the user reconfigured is left to them; a fork of the rank writes
 through (it has no flusher thread); the rank's exit, its traceback and
 :func:`finish` (from the last atexit hook) flush and wait for a write in flight.
 """
@@ -52,11 +53,17 @@ class StdoutWriter(io.FileIO):
         super().__init__(fd, "w", closefd=False)
         self.lock = threading.Lock()
         self.writes = 0
+        # The watcher's alarm: set at this write count (a flood has begun: switch now, not at
+        # the end of the tick, which costs a short flood a tick of unbuffered writes).
+        self.alarm_at = -1
+        self.alarm: threading.Event | None = None
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         with self.lock:
             self.writes += 1
+            if self.writes == self.alarm_at and self.alarm is not None:
+                self.alarm.set()
             done = 0
             while done < len(view):
                 written = super().write(view[done:])
@@ -117,21 +124,27 @@ class _LiveStdout:
         self.raw: StdoutWriter = stream.buffer
         self.buffering = False
         self.done = threading.Event()
+        self.wake = threading.Event()  # a tick, the writer's flood alarm, or the end
         self.lock = threading.Lock()  # a mode change and the end of the rank never cross
         self.default_chunk = stream._CHUNK_SIZE
         self.thread: threading.Thread | None = None
 
     def run(self) -> None:
         self.thread = threading.current_thread()
+        self.raw.alarm = self.wake
+        per_tick = int(FLOOD_WRITES_PER_S * _TICK_S)
         last = self.raw.writes
+        self.raw.alarm_at = last + per_tick + 1
         quiet = 0
-        while not self.done.wait(_TICK_S):
-            if not self._still_ours():
-                return  # the user reconfigured the stream: theirs from now on
+        while True:
+            self.wake.wait(_TICK_S)
+            self.wake.clear()
+            if self.done.is_set() or not self._still_ours():
+                return  # the end, or the user reconfigured the stream: theirs from now on
             if self.buffering:
                 self._flush_stream()
-            writes = self.raw.writes  # this tick's: the rank's own and the flush's
-            if not self.buffering and writes - last > FLOOD_WRITES_PER_S * _TICK_S:
+            writes = self.raw.writes  # since the last tick: the rank's own and the flush's
+            if not self.buffering and writes - last > per_tick:
                 with self.lock:
                     if self.done.is_set():
                         return
@@ -143,6 +156,7 @@ class _LiveStdout:
                     with self.lock:
                         self._buffer(False)
             last = self.raw.writes
+            self.raw.alarm_at = -1 if self.buffering else last + per_tick + 1
 
     def _still_ours(self) -> bool:
         stream = self.stream
@@ -168,6 +182,7 @@ class _LiveStdout:
     def stop(self) -> None:
         with self.lock:
             self.done.set()
+            self.wake.set()
             if self.buffering:
                 self._buffer(False)
         thread = self.thread
@@ -186,6 +201,7 @@ def _after_fork_in_child() -> None:
     global _live
     if _writer is not None:
         _writer.lock = threading.Lock()  # a parent's thread may have held it at the fork
+        _writer.alarm, _writer.alarm_at = None, -1
     live, _live = _live, None
     if live is not None:
         live.done.set()
