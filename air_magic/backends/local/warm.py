@@ -85,7 +85,7 @@ def tracking_preload() -> list[str]:
     """What a tracked call's ranks import as they log: mlflow, and the store its URI names.
 
     Measured (benchmarks/seed_as_pasted.py, docs/benchmarks.md): a rank's ``import mlflow``
-    takes about 1.1 s and its first ``log_metric`` 0.9 s more, most of it importing the
+    takes about 1.1 s and its first ``log_metric`` 1.3 s more, most of it importing the
     SQLAlchemy store; in the starter, both overlap the caller's own MLflow start-up. The
     URI is judged from ``MLFLOW_TRACKING_URI`` only (unset: the embedded sqlite store),
     never by importing mlflow here. An explicit ``AIR_MAGIC_PRELOAD`` is the whole list.
