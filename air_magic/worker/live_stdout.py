@@ -20,7 +20,8 @@ writes through again. What this trades, and only during a flood: a rank that
 dies without Python's exit (SIGKILL, a segfault, ``os._exit``, ``exec``) can
 lose its last tick of stdout, and a stderr line, or a descriptor-level write
 (C ``printf``), may show up ahead of stdout lines printed just before it
-(stderr is never buffered). docs/architecture.md, "Rank output".
+(stderr is never buffered). docs/architecture.md, "A rank's stdout is written
+through until it floods".
 
 A flood is noticed at once: the writer wakes the watcher when the tick's count
 passes the threshold. A stream the user reconfigured is left to them; a fork of the rank writes
