@@ -46,6 +46,9 @@ _LAZY = {
     "ray_init": "air_magic.backends.ray.cluster",
     "ray_launch": "air_magic.decorator",
     "init_process_group": "air_magic.worker.torch_helpers",
+    "session": "air_magic.session",  # the package is callable: air_magic.session(num_accelerators=2)
+    "Session": "air_magic.session.persistent",
+    "SessionEndedError": "air_magic.session.persistent",
 }
 
 if TYPE_CHECKING:
@@ -57,6 +60,7 @@ if TYPE_CHECKING:
     from air_magic.session.call import restart_warm_start
     from air_magic.session.detached import attach, runs
     from air_magic.session.history import RunInfo, last_run
+    from air_magic.session.persistent import Session, SessionEndedError
     from air_magic.worker.torch_helpers import init_process_group
 
 
@@ -142,5 +146,8 @@ __all__ = [
     "restart_warm_start",
     "runs",
     "runtime",
+    "session",
+    "Session",
+    "SessionEndedError",
     "unload_ipython_extension",
 ]

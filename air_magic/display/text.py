@@ -18,6 +18,7 @@ from air_magic.protocol.events import (
     RecordLink,
     RunFinished,
     RunStarted,
+    SessionState,
 )
 from air_magic.protocol.lines import LineSplitter, visible
 
@@ -63,6 +64,9 @@ class TextDisplay:
             self._flush_rank(event.rank)
             if event.state is not RankState.SUCCEEDED:
                 self._note(f"rank {event.rank} {event.state.value}: {event.reason}")
+        elif isinstance(event, SessionState):
+            if event.cells == 0:  # the session's start; each cell's tabs show it in their header
+                self._note(event.describe())
         elif isinstance(event, RunFinished):
             for rank in sorted({r for r, _ in self._splitters}):
                 self._flush_rank(rank)

@@ -29,6 +29,7 @@ from air_magic.protocol.events import (
     RecordLink,
     RunFinished,
     RunStarted,
+    SessionState,
     Tick,
 )
 
@@ -86,6 +87,7 @@ class WidgetDisplay:
         self._elapsed = 0.0
         self._t0 = time.monotonic()
         self._name = ""
+        self._session: SessionState | None = None  # a persistent session's cell: what it holds
         self._handle: Any = None  # the display's handle (its id): the static record is updated through it
 
     def set_record(self, record: RecordLink | None) -> None:
@@ -127,6 +129,9 @@ class WidgetDisplay:
             self._reasons[event.rank] = event.reason
             self._ended_at[event.rank] = time.monotonic()
             self._flush(force=True)
+        elif isinstance(event, SessionState):
+            self._session = event
+            self._header.value = self._header_html()
         elif isinstance(event, RunFinished):
             self._outcome = event.outcome
             self._elapsed = event.elapsed
@@ -260,9 +265,12 @@ class WidgetDisplay:
                 "CPU with gloo. Code that needs CUDA fails here: air_magic.init_process_group() picks "
                 "gloo and the CPU here, NCCL and the rank's GPU on a GPU machine.</div>"
             )
+        session = ""
+        if self._session is not None:
+            session = f'<div style="color:#444">{html.escape(self._session.describe())}</div>'
         return (
             f"<div><b>{html.escape(name)}</b> · {n} rank(s) · {html.escape(mode)} · "
-            f"{html.escape(outcome)} · {self._elapsed:.1f} s{link}</div>{cpu}"
+            f"{html.escape(outcome)} · {self._elapsed:.1f} s{link}</div>{session}{cpu}"
             '<table style="font-size:90%"><tr><th align=left>rank</th><th align=left>state</th>'
             "<th align=left>elapsed</th><th align=left>exit</th></tr>" + "".join(rows) + "</table>"
         )

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from air_magic.launch.accelerators import AcceleratorPlan
 
@@ -28,6 +29,22 @@ class LaunchRequest:
     env: dict[str, str] = field(default_factory=dict)  # extra variables for every rank
     log_root: str | None = None  # where the call's log folder is made (None: paths.default_log_root)
     run_id: str | None = None  # the call's id, when the caller chose it (a detached run's); None: new
+    # A persistent session's line to its ranks (session/persistent.py); None for a one-off call.
+    channel: CellChannel | None = None
+
+
+class CellChannel(Protocol):
+    """A persistent session's pipes to its ranks, watched by the backend's loop with the rest.
+
+    :meth:`open` runs in the call folder before any rank starts and returns the descriptors
+    to watch; :meth:`readable` runs on the loop's thread when one of them can be read, with
+    ``drain_output(rank)``, which hands everything already in that rank's output pipes to the
+    consumers (call it before reporting that the rank finished a cell).
+    """
+
+    def open(self, run_dir: str, world_size: int) -> list[int]: ...
+
+    def readable(self, fd: int, drain_output: Callable[[int], None]) -> None: ...
 
 
 @dataclass

@@ -49,7 +49,7 @@ from air_magic.launch.accelerators import describe, detect_gpus
 from air_magic.launch.settings import LaunchSettings, argument_specs, make_settings, settings_from_args
 from air_magic.notebook.cell_analysis import names_assigned, names_deleted, names_read, star_imports
 from air_magic.protocol import serialization
-from air_magic.session import background, detached, history
+from air_magic.session import background, detached, history, persistent
 from air_magic.session import call as session
 from air_magic.worker import cell_runner
 
@@ -114,8 +114,13 @@ class DistributedMagics(Magics):
         if error is not None:
             raise error  # from here: IPython lists every frame a SyntaxError in a magic went through
 
+        live = persistent.active()
+        if live is not None:
+            _check_session_options(live, args)
         pushed = [n.strip() for n in args.push.split(",") if n.strip()]
         values, modules, skipped = _capture(shell, names_read(tree) + pushed, pushed)
+        if live is not None:  # the ranks' own objects win over the copies a session cell brought back
+            values = {n: v for n, v in values.items() if n in pushed or not live.held_by_ranks(n, v)}
         if skipped:
             print(f"air_magic: not sent (IPython's own): {', '.join(skipped)}")
         watch: list[str] = []
@@ -137,8 +142,26 @@ class DistributedMagics(Magics):
 
         def bring_back(outcomes: list[cell_runner.CellOutcome]) -> Any:
             return _bring_back(
-                shell, outcomes, _ends_with_expression(tree), imported=set(_imported(tree)), deleted=deleted
+                shell,
+                outcomes,
+                _ends_with_expression(tree),
+                imported=set(_imported(tree)),
+                deleted=deleted,
+                session=live,
             )
+
+        if live is not None:
+            given = settings_from_args(args)
+            result = live.run_call(
+                name,
+                cell_runner.run_cell,
+                bound,
+                kind="cell",
+                source=cell,
+                timeout=given.get("timeout", "session"),
+                display=given.get("display"),
+            )
+            return bring_back(result.unwrap())
 
         if args.background:
             prepared = session.prepare_call(
@@ -179,10 +202,69 @@ class DistributedMagics(Magics):
             return _cancel(words[1:])
         if command == "mlflow-ui":
             return _mlflow_ui()
+        if command == "session":
+            return self._session(line.split(None, 1)[1] if len(words) > 1 else "")
         if command == "help":
             print(_HELP)
             return None
         raise UsageError(f"%distributed: unknown command {command!r}.\n{_HELP}")
+
+    def _session(self, rest: str) -> Any:
+        """%distributed session start [options] | status | restart | stop"""
+        words = arg_split(rest, posix=True)
+        action = words[0] if words else "status"
+        live = persistent.active()
+        if action == "start":
+            args = self.distributed.parser.parse_args(words[1:])
+            for option in ("push", "pull"):
+                if getattr(args, option, None):
+                    raise UsageError(f"%distributed session start: --{option} is for a cell, not the session")
+            if args.background or args.no_pull:
+                raise UsageError("%distributed session start: --background/--no-pull are for a cell")
+            try:
+                return persistent.Session(_settings(args)).start()
+            except ConfigurationError as exc:
+                raise UsageError(str(exc)) from None
+        if action == "status":
+            shown = live or persistent.last()
+            print(
+                shown.status() if shown is not None else "air_magic: no session (%distributed session start)"
+            )
+            return None
+        if action in ("stop", "restart"):
+            if live is None:
+                last = persistent.last()
+                if action == "stop" or last is None:
+                    print("air_magic: no session is running")
+                    return None
+                return persistent.Session(last.settings, last.name).start()
+            if action == "stop":
+                live.stop()
+                return None
+            return live.restart()
+        raise UsageError(f"%distributed session: unknown command {action!r} (start, status, restart, stop)")
+
+
+def _check_session_options(live: persistent.Session, args: argparse.Namespace) -> None:
+    """A cell in a session may set its own timeout and display; the rest is the session's."""
+    given = settings_from_args(args)
+    if args.background:
+        raise UsageError(
+            "%%distributed --background does not run in a session; %distributed session stop first"
+        )
+    ranks = given.pop("num_accelerators", None)
+    if ranks is not None and ranks != live.world_size:
+        raise UsageError(
+            f"this cell asks for {ranks} rank(s); session {live.id} has {live.world_size}. "
+            "Drop -n, or %distributed session stop and start one with -n"
+        )
+    others = sorted(set(given) - {"timeout", "display"})
+    if others:
+        options = ", ".join("--" + name.replace("_", "-") for name in others)
+        raise UsageError(
+            f"{options}: set for the whole session at %distributed session start; "
+            "a cell in a session may set --timeout and --display"
+        )
 
 
 _HELP = """%distributed status        the last run: outcome, time, each rank's state, log folder
@@ -193,6 +275,8 @@ _HELP = """%distributed status        the last run: outcome, time, each rank's s
 %distributed attach [RUN]  re-open a detached run (default: the newest running): output so far, then live
 %distributed settings      what this machine has, where logs go
 %distributed restart       rebuild the warm starter (it also rebuilds itself after package changes)
+%distributed session start [options]   keep ranks up between cells (-n, --timeout per cell...)
+%distributed session status|restart|stop   what the session holds; a new one; its end
 %distributed mlflow-ui     the MLflow UI over the local store (shared by your kernels; started if needed)
 %%distributed [options]    run the cell on every rank (%%distributed? lists the options)"""
 
@@ -295,6 +379,7 @@ def _bring_back(
     ends_with_expression: bool,
     imported: set[str],
     deleted: set[str],
+    session: persistent.Session | None = None,
 ) -> Any:
     """Put rank 0's names into the notebook; return every rank's last value (None if all are None).
 
@@ -311,6 +396,9 @@ def _bring_back(
             failed[name] = f"could not be loaded here: {exc}"
     shell.user_ns.update(loaded)
     gone = _delete_what_the_cell_deleted(shell, first.missing, deleted)
+    if session is not None:
+        session.note_brought_back(loaded)
+        session.forget(gone)
     hidden = imported | set(first.star_names)
     shown = [k for k, v in loaded.items() if k not in hidden and not isinstance(v, types.ModuleType)]
     said = [f"{k} (changed in place)" if k in first.changed else k for k in shown]

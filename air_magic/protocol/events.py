@@ -94,7 +94,24 @@ class RecordLink:
     url: str | None = None  # a page for it, when there is one
 
 
-Event = RunStarted | RankStarted | RankOutput | RankExited | Tick | RunFinished
+@dataclass(frozen=True)
+class SessionState:
+    """What a persistent session holds, for the header of each of its cells (SPEC §15).
+
+    ``ranks``: ``(rank, pid, memory in words)`` per rank; ``cells``: the cells run so far,
+    this one included.
+    """
+
+    session_id: str
+    cells: int
+    ranks: tuple[tuple[int, int, str], ...]
+
+    def describe(self) -> str:
+        held = ", ".join(f"rank {r} (pid {pid}): {memory}" for r, pid, memory in self.ranks)
+        return f"session {self.session_id}, cell {self.cells}; {held}"
+
+
+Event = RunStarted | RankStarted | RankOutput | RankExited | Tick | RunFinished | SessionState
 
 
 class Consumer(Protocol):

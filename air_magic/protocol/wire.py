@@ -33,6 +33,26 @@ def error_path(run_dir: str, rank: int) -> str:
     return os.path.join(run_dir, f"error-{rank}.pkl")
 
 
+def session_cell_path(run_dir: str, cell: int) -> str:
+    """A persistent session's cell N: its payload, read by every rank (session/persistent.py)."""
+    return os.path.join(run_dir, f"cell-{cell}.pkl")
+
+
+def cell_result_path(run_dir: str, cell: int, rank: int) -> str:
+    return os.path.join(run_dir, f"cell-{cell}-result-{rank}.pkl")
+
+
+def cell_error_path(run_dir: str, cell: int, rank: int) -> str:
+    return os.path.join(run_dir, f"cell-{cell}-error-{rank}.pkl")
+
+
+def session_fifo(run_dir: str, direction: str, rank: int) -> str:
+    """A session rank's named pipe: 'cmd' (caller -> rank: which cell to run) or 'reply' (rank ->
+    caller: the cell is done). Each message is one JSON line shorter than PIPE_BUF, so a write is
+    atomic; payloads and results travel as files beside them, like a call's."""
+    return os.path.join(run_dir, f"{direction}-{rank}.fifo")
+
+
 def loaded_path(run_dir: str, rank: int) -> str:
     """An empty mark: this rank has read the payload (the launcher then deletes it)."""
     return os.path.join(run_dir, f"loaded-{rank}")

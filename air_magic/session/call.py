@@ -30,7 +30,7 @@ from air_magic.display.widgets import make_consumers
 from air_magic.errors import ConfigurationError
 from air_magic.launch.accelerators import AcceleratorPlan
 from air_magic.launch.payload import build_payload
-from air_magic.launch.request import LaunchRequest, RunResult
+from air_magic.launch.request import CellChannel, LaunchRequest, RunResult
 from air_magic.launch.settings import LaunchSettings
 from air_magic.protocol import env_names
 from air_magic.protocol.events import Consumer, EventBus
@@ -172,6 +172,7 @@ class PreparedCall:
     facts: tracking.CallFacts | None = None
     kind: str = "function"  # 'function' or 'cell'; from the command line also 'script' or 'module'
     run_id: str | None = None  # the call's id if chosen before it runs (a detached run's); else the backend's
+    channel: CellChannel | None = None  # a persistent session's pipes to its ranks (session/persistent.py)
 
     def displays(self) -> list[Consumer]:
         """The display that ``settings.display`` names (built on the caller's thread: a background
@@ -203,6 +204,7 @@ class PreparedCall:
                 env={**(tracked.env if tracked else {}), **self.settings.env},
                 log_root=self.settings.log_dir,
                 run_id=self.run_id,
+                channel=self.channel,
             )
             wired: list[Consumer] = [RunHistory(record), *displays, *consumers]
             if tracked is not None:
@@ -234,9 +236,10 @@ def _at_exit() -> None:
     ends as an interrupt would end it), then every rank left stops, then the tracked runs end
     KILLED, with their logs complete. Registered here, in that order, not left to the order in
     which the modules happened to be imported (atexit runs hooks last-in first-out)."""
-    from air_magic.session import background
+    from air_magic.session import background, persistent
 
     background.cancel_all()
+    persistent.stop_all()
     warm.at_exit()
     tracking.end_live_runs()
 

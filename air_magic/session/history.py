@@ -47,9 +47,11 @@ _runs: collections.deque[RunInfo] = collections.deque(maxlen=KEEP)
 class RunHistory:
     """Records each run's start, rank exits and end; ``record`` is the call's MLflow run, if any."""
 
-    def __init__(self, record: RecordLink | None = None) -> None:
+    def __init__(self, record: RecordLink | None = None, *, summary: bool = True) -> None:
         self._current: RunInfo | None = None
         self._record = record
+        # A persistent session's cell shares the session's log folder: the session writes the summary.
+        self._summary = summary
 
     def handle(self, event: Event) -> None:
         if isinstance(event, RunStarted):
@@ -59,7 +61,8 @@ class RunHistory:
                 self._current.tracking_url = self._record.url
                 self._current.mlflow_run_id = self._record.run_id
             _runs.append(self._current)
-            _write_summary(self._current)
+            if self._summary:
+                _write_summary(self._current)
         elif self._current is None:
             return
         elif isinstance(event, RankExited):
@@ -69,7 +72,8 @@ class RunHistory:
             self._current.outcome = event.outcome
             self._current.elapsed = event.elapsed
             self._current.error = event.error
-            _write_summary(self._current)
+            if self._summary:
+                _write_summary(self._current)
 
 
 def last_run() -> RunInfo | None:

@@ -47,9 +47,15 @@ def run_cell(
     pull: list[str],
     watch: list[str] | None = None,
     star_modules: list[str] | None = None,
+    namespace: dict[str, Any] | None = None,
 ) -> CellOutcome:
-    """Run the cell; ``watch`` names sent values to bring back if the cell changes them in place."""
-    namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
+    """Run the cell; ``watch`` names sent values to bring back if the cell changes them in place.
+
+    ``namespace``: the globals to run in (a persistent session's rank keeps one across cells,
+    worker/session_rank.py); None: a fresh one, as for a one-off call.
+    """
+    if namespace is None:
+        namespace = {"__name__": "__main__", "__builtins__": builtins}
     for alias, module in modules.items():
         namespace[alias] = importlib.import_module(module)
     namespace.update(values)

@@ -122,6 +122,10 @@ class CallLoop:
         error: BaseException | None = None
         try:
             try:
+                channel = self.request.channel
+                if channel is not None:  # a persistent session: its pipes before its ranks open them
+                    for fd in channel.open(self.run_dir, self.world):
+                        self.selector.register(fd, selectors.EVENT_READ, ("channel", None))
                 started = self._start_ranks(lifeline_r)
             finally:
                 os.close(lifeline_r)
@@ -286,7 +290,14 @@ class CallLoop:
                     self.pipes.read(key.fd, ranked, stream)
                 elif ranked == "starter":
                     self._pump_starter(key.fileobj)
+                elif ranked == "channel" and self.request.channel is not None:
+                    self.request.channel.readable(key.fd, self._drain_output)
                 # A readable pidfd needs nothing here: the poll at the top reaps it.
+
+    def _drain_output(self, rank: int) -> None:
+        """Everything already in ``rank``'s pipes to the consumers (a session rank finished a cell)."""
+        if 0 <= rank < len(self.ranks):
+            self.pipes.drain_rank(self.ranks[rank])
 
     def _note_reported_failures(self, now: float) -> None:
         """A rank that reported its exception has failed, even if its process has not ended yet.

@@ -1,0 +1,189 @@
+"""A persistent session's rank (SPEC §15): set up once, then run cell after cell until told to stop.
+
+The session starts its ranks like any call (``backends/local``: fresh or forked,
+torchrun's variables, the lifeline, the rank's pipes); the call's function is
+:func:`serve`. It initialises torch's process group and binds the rank's device
+once (when torch is installed), then waits on its command pipe
+(``wire.session_fifo(..., 'cmd', rank)``) for the number of the next cell. A
+cell's payload is a file in the call folder, like a call's; the rank runs it in
+the globals it keeps between cells (a ``%%distributed`` cell) or calls it (a
+function), writes ``cell-N-result-R.pkl`` or ``cell-N-error-R.pkl``, flushes its
+output, and only then answers on its reply pipe: whoever reads the answer has
+all the cell's output before it.
+
+In a session ``torch.distributed.init_process_group`` returns at once when the
+session's group is up (code written for one-off calls runs unchanged, cell
+after cell) and ``destroy_process_group()`` of the default group waits for the
+session's end.
+
+SIGINT interrupts the cell running (``KeyboardInterrupt`` in it, reported like
+any exception); between cells it is ignored, so an interrupt that comes just
+after a cell finished cannot end the rank.
+"""
+
+from __future__ import annotations
+
+import builtins
+import importlib.util
+import json
+import linecache
+import os
+import signal
+import sys
+from typing import Any
+
+import psutil
+
+from air_magic.protocol import env_names, serialization, wire
+from air_magic.worker import cell_runner, entry, live_stdout
+
+# The rank's globals for cells, kept from one cell to the next.
+_namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
+_torch_group = False  # this session set up torch's default process group (and ends it)
+_original_destroy: Any = None
+
+
+def serve() -> None:
+    """The session rank's whole life: set up, answer 'ready', run cells, end when told to stop."""
+    rank = int(os.environ["RANK"])
+    run_dir = os.environ[env_names.RUN_DIR]
+    # The caller holds both ends of both pipes open: neither open blocks.
+    commands = open(wire.session_fifo(run_dir, "cmd", rank), "rb", buffering=0)  # noqa: SIM115
+    replies = os.open(wire.session_fifo(run_dir, "reply", rank), os.O_WRONLY)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _set_up_torch()
+    _answer(replies, {"ready": True, "memory": memory_in_use()})
+    pending = b""
+    try:
+        while True:
+            chunk = commands.read(4096)
+            if not chunk:  # cannot happen while the caller lives (it holds a write end)
+                return
+            pending += chunk
+            while b"\n" in pending:
+                line, pending = pending.split(b"\n", 1)
+                message = json.loads(line)
+                if message.get("stop"):
+                    return
+                cell = int(message["cell"])
+                ok = _run_cell(run_dir, rank, cell)
+                _answer(replies, {"cell": cell, "ok": ok, "memory": memory_in_use()})
+    finally:
+        _end_torch()
+
+
+class _CellFiles:
+    """The transport for one cell's outcome (the error record's shape is a call's)."""
+
+    def __init__(self, run_dir: str, rank: int, cell: int):
+        self.run_dir, self.rank, self.cell = run_dir, rank, cell
+
+    def write_result(self, data: bytes) -> None:
+        wire.write_atomically(wire.cell_result_path(self.run_dir, self.cell, self.rank), data)
+
+    def write_error(self, data: bytes) -> None:
+        wire.write_atomically(wire.cell_error_path(self.run_dir, self.cell, self.rank), data)
+
+
+def _run_cell(run_dir: str, rank: int, cell: int) -> bool:
+    files = _CellFiles(run_dir, rank, cell)
+    stage = "load"
+    try:
+        data = wire.read_bytes(wire.session_cell_path(run_dir, cell))
+        if data is None:
+            raise FileNotFoundError(f"cell {cell}'s payload is missing from {run_dir}")
+        fn, args, kwargs, sources = serialization.loads(data)
+        del data
+        for name, lines in sources.items():
+            linecache.cache[name] = (sum(map(len, lines)), None, lines, name)
+        if fn is cell_runner.run_cell:
+            kwargs = {**kwargs, "namespace": _namespace}
+        stage = "run"
+        # SIGINT raises KeyboardInterrupt in the cell (Python's own handler: no frame of ours in the
+        # traceback); outside a cell it is ignored, so one that comes as a cell ends cannot end the rank.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            result = fn(*args, **kwargs)
+        finally:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        stage = "result"
+        out = entry._dump_result(result, rank)
+        stage = "write"
+        files.write_result(out)
+        return True
+    except BaseException as exc:  # noqa: BLE001 - every failure is reported; the rank lives on
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        entry._report(files, stage, exc)  # type: ignore[arg-type]
+        return False
+    finally:
+        live_stdout.flush()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001 - a stream the cell closed or replaced
+                pass
+
+
+def _answer(fd: int, message: dict[str, Any]) -> None:
+    data = (json.dumps(message) + "\n").encode()
+    os.write(fd, data)  # shorter than PIPE_BUF: written whole, or not at all
+
+
+def memory_in_use() -> dict[str, int]:
+    """What the rank holds: the CUDA memory torch allocated and reserved, else its resident memory."""
+    torch = sys.modules.get("torch")
+    try:
+        if torch is not None and torch.cuda.is_initialized():
+            return {
+                "gpu": int(torch.cuda.memory_allocated()),
+                "gpu_reserved": int(torch.cuda.memory_reserved()),
+                "device": int(torch.cuda.current_device()),
+            }
+    except Exception:  # noqa: BLE001 - a broken CUDA context: say what the process holds
+        pass
+    return {"rss": int(psutil.Process().memory_info().rss)}
+
+
+def _set_up_torch() -> None:
+    """torch's process group and the rank's device, once for the session (nothing without torch)."""
+    global _torch_group, _original_destroy
+    if importlib.util.find_spec("torch") is None:
+        return
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    from air_magic.worker.torch_helpers import init_process_group
+
+    if not dist.is_available():
+        return
+    init_process_group()
+    _torch_group = True
+    original_init, _original_destroy = c10d.init_process_group, c10d.destroy_process_group
+
+    def init_once(*args: Any, **kwargs: Any) -> None:
+        """In a session: the session's group is up already; a second set-up would fail."""
+        if dist.is_initialized():
+            return None
+        return original_init(*args, **kwargs)
+
+    def destroy_at_the_end(group: Any = None) -> None:
+        """In a session: the default group lives until the session ends; other groups end now."""
+        if group is None or group is c10d.GroupMember.WORLD:
+            return None
+        return _original_destroy(group)
+
+    for module in (dist, c10d):
+        module.init_process_group = init_once  # type: ignore[attr-defined]
+        module.destroy_process_group = destroy_at_the_end  # type: ignore[attr-defined]
+
+
+def _end_torch() -> None:
+    if not _torch_group or _original_destroy is None:
+        return
+    try:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            _original_destroy()
+    except Exception:  # noqa: BLE001 - the rank is ending anyway
+        pass
