@@ -105,6 +105,9 @@ class WidgetDisplay:
     # -- events -------------------------------------------------------------------------
 
     def handle(self, event: Event) -> None:
+        if isinstance(event, SessionState):  # shown with the next update (or in the header made next)
+            self._session = event
+            return
         if isinstance(event, RunStarted):
             self._run = event
             self._outcome = "running"
@@ -128,10 +131,9 @@ class WidgetDisplay:
             self._states[event.rank] = event.state
             self._reasons[event.rank] = event.reason
             self._ended_at[event.rank] = time.monotonic()
-            self._flush(force=True)
-        elif isinstance(event, SessionState):
-            self._session = event
-            self._header.value = self._header_html()
+            # Not forced: ranks that end together (a session's cell) make one update, not one each;
+            # the next tick shows it (at most FLUSH_S later) and the run's end always does.
+            self._flush()
         elif isinstance(event, RunFinished):
             self._outcome = event.outcome
             self._elapsed = event.elapsed
@@ -154,23 +156,32 @@ class WidgetDisplay:
         self._started_at = [None] * n
         self._ended_at = [None] * n
         self._t0 = time.monotonic()
-        self._header = w.HTML(value=self._header_html())
-        self._outputs = [w.Output(layout=w.Layout(max_height="30em", overflow="auto")) for _ in range(n)]
-        self._footers = [w.HTML(value=self._footer_html(r)) for r in range(n)]
-        self._tab = w.Tab(
-            children=[w.VBox([o, f]) for o, f in zip(self._outputs, self._footers, strict=True)]
-        )
+        # Few widgets, their layouts and style shared: each widget is a message to the browser and
+        # about 1 ms of the kernel's time, which a persistent session's cell pays every time (SPEC §15).
+        # Each rank's log and dropped lines are in the header's table, not in a widget of their own.
+        self._header = w.HTML(value=self._header_html(), layout=_shared("layout"), style=_shared("style"))
+        self._outputs = [w.Output(layout=_shared("output")) for _ in range(n)]
+        self._tab = w.Tab(children=self._outputs, layout=_shared("layout"))
         self._titles = [self._title(r) for r in range(n)]
         self._tab.titles = tuple(self._titles)
-        self._box = w.VBox([self._header, self._tab])
+        self._box = w.VBox([self._header, self._tab], layout=_shared("layout"))
         self._box.add_class("air-magic-run")
+        self._last_flush = time.monotonic()  # what _make sent is current
         # The widget view, and beside it a static record for wherever widgets do not render
         # (display/record.py); replaced through the display id when the call ends.
         self._handle = display(self._bundle(), raw=True, display_id=True)
 
     def _bundle(self) -> dict[str, Any]:
         """The widget view with the static record as ``text/html`` and ``text/plain``."""
-        bundle = dict(self._box._repr_mimebundle_() or {})
+        # The widget view's reference, written here: ipywidgets' own _repr_mimebundle_ also builds a
+        # repr of every widget for text/plain (about 1 ms), which the record below replaces anyway.
+        bundle: dict[str, Any] = {
+            "application/vnd.jupyter.widget-view+json": {
+                "version_major": 2,
+                "version_minor": 0,
+                "model_id": self._box.model_id,
+            }
+        }
         now = record.Record(
             name=self._run.name if self._run is not None else self._name,
             world_size=len(self._states),
@@ -203,9 +214,7 @@ class WidgetDisplay:
         return f"CPU mode, {run.backend}" if run.cpu_mode else f"{run.detected}, {run.backend}"
 
     def _refresh_run(self) -> None:
-        """The run started: its log folder goes in every footer, its mode in the header."""
-        for rank, footer in enumerate(self._footers):
-            footer.value = self._footer_html(rank)
+        """The run started: its log folder and mode go in the header."""
         self._header.value = self._header_html()
 
     def _flush(self, force: bool = False) -> None:
@@ -215,9 +224,6 @@ class WidgetDisplay:
         self._last_flush = now
         for rank in sorted(self._dirty):
             self._outputs[rank].outputs = self._screens[rank].stream_outputs()
-            footer = self._footer_html(rank)
-            if footer != self._footers[rank].value:
-                self._footers[rank].value = footer
         self._dirty.clear()
         titles = [self._title(r) for r in range(len(self._screens))]
         if titles != self._titles:
@@ -230,13 +236,14 @@ class WidgetDisplay:
     def _title(self, rank: int) -> str:
         return f"rank {rank} {GLYPHS[self._states[rank]]}"
 
-    def _footer_html(self, rank: int) -> str:
+    def _log_html(self, rank: int) -> str:
+        """The rank's full log (and how many earlier lines its tab no longer shows)."""
         if self._run is None:
-            return '<small style="color:#666">starting</small>'
+            return ""
         dropped = self._screens[rank].dropped
         shown = f"{dropped} earlier lines not shown; " if dropped else ""
         path = html.escape(paths.rank_log(self._run.log_dir, rank))
-        return f'<small style="color:#666">{shown}full log: <code>{path}</code></small>'
+        return f'<small style="color:#666">{shown}<code>{path}</code></small>'
 
     def _header_html(self) -> str:
         run = self._run
@@ -248,7 +255,7 @@ class WidgetDisplay:
             took = self._took(r)
             rows.append(
                 f'<tr><td>rank {r}</td><td style="color:{_COLORS[state]}">{GLYPHS[state]} {state.value}</td>'
-                f"<td>{took}</td><td>{html.escape(self._reasons[r])}</td></tr>"
+                f"<td>{took}</td><td>{html.escape(self._reasons[r])}</td><td>{self._log_html(r)}</td></tr>"
             )
         tracked = self._record
         if tracked is not None and tracked.url:
@@ -272,8 +279,35 @@ class WidgetDisplay:
             f"<div><b>{html.escape(name)}</b> · {n} rank(s) · {html.escape(mode)} · "
             f"{html.escape(outcome)} · {self._elapsed:.1f} s{link}</div>{session}{cpu}"
             '<table style="font-size:90%"><tr><th align=left>rank</th><th align=left>state</th>'
-            "<th align=left>elapsed</th><th align=left>exit</th></tr>" + "".join(rows) + "</table>"
+            "<th align=left>elapsed</th><th align=left>exit</th><th align=left>full log</th></tr>"
+            + "".join(rows)
+            + "</table>"
         )
+
+
+_SHARED: dict[str, Any] = {}
+
+
+def _shared(kind: str) -> Any:
+    """One layout (or style) model for every tab display of this kernel: 'layout', 'output' or 'style'.
+
+    Made again if closed (``Widget.close_all()``)."""
+    import ipywidgets as w
+
+    found = _SHARED.get(kind)
+    if found is None or getattr(found, "comm", None) is None:
+        if kind == "output":
+            found = w.Layout(max_height="30em", overflow="auto")
+        elif kind == "style":
+            try:  # ipywidgets 8; 7 styles an HTML widget with a DescriptionStyle
+                from ipywidgets.widgets.widget_string import HTMLStyle as style_class
+            except ImportError:
+                style_class = w.DescriptionStyle
+            found = style_class()
+        else:
+            found = w.Layout()
+        _SHARED[kind] = found
+    return found
 
 
 def make_consumers(display: str, record: RecordLink | None = None) -> list[Any]:

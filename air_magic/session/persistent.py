@@ -332,10 +332,10 @@ class Session:
         displays = make_consumers(display or self.settings.display, self.record)
         cell = _Cell(number, name, EventBus([RunHistory(self.record, summary=False), *displays]))
         started = self._run_started
+        cell.bus.emit(self._state_event(number))  # first: the header is made with it
         cell.bus.emit(dataclasses.replace(started, run_id=f"{self.id}.{number}", name=name))
         for rank, pid in sorted(self._pids.items()):
             cell.bus.emit(RankStarted(rank=rank, pid=pid))
-        cell.bus.emit(self._state_event(number))
         self._track_cell_source(number, kind, source)
         with self._lock:
             self._current = cell
@@ -760,20 +760,24 @@ class Session:
         tracked = self._tracked()
         if tracked is None:
             return
-        client, run_id = tracked.client, tracked.run_id
         tracked.jobs.put(
-            functools.partial(client.log_metric, run_id, "air_magic.cell_seconds", seconds, step=number)
+            functools.partial(_log_cell, tracked.client, tracked.run_id, number, outcome, seconds)
         )
-        tracked.jobs.put(
-            functools.partial(
-                client.log_metric,
-                run_id,
-                "air_magic.cell_succeeded",
-                float(outcome == "succeeded"),
-                step=number,
-            )
-        )
-        tracked.jobs.put(functools.partial(client.set_tag, run_id, "air_magic.cells", str(number)))
+
+
+def _log_cell(client: Any, run_id: str, number: int, outcome: str, seconds: float) -> None:
+    """A cell's step in the session's run, in one write (on the MLflow run's owner thread)."""
+    from mlflow.entities import Metric, RunTag
+
+    now = int(time.time() * 1000)
+    client.log_batch(
+        run_id,
+        metrics=[
+            Metric("air_magic.cell_seconds", seconds, now, number),
+            Metric("air_magic.cell_succeeded", float(outcome == "succeeded"), now, number),
+        ],
+        tags=[RunTag("air_magic.cells", str(number))],
+    )
 
 
 def memory_words(memory: dict[str, int] | None) -> str:
