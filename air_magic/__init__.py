@@ -134,6 +134,8 @@ __all__ = [
     "RemoteTraceback",
     "RunHandle",
     "RunInfo",
+    "Session",
+    "SessionEndedError",
     "__version__",
     "attach",
     "distributed",
@@ -147,7 +149,5 @@ __all__ = [
     "runs",
     "runtime",
     "session",
-    "Session",
-    "SessionEndedError",
     "unload_ipython_extension",
 ]

@@ -23,6 +23,8 @@ PUBLIC = [
     "RemoteTraceback",
     "RunHandle",
     "RunInfo",
+    "Session",
+    "SessionEndedError",
     "__version__",
     "attach",
     "distributed",
@@ -35,6 +37,7 @@ PUBLIC = [
     "restart_warm_start",
     "runs",
     "runtime",
+    "session",
     "unload_ipython_extension",
 ]
 

@@ -230,16 +230,27 @@ def _source_of(func: Callable[..., Any]) -> str | None:
         return None
 
 
+_exit_hooks: list[Callable[[], None]] = []
+
+
+def on_exit(hook: Callable[[], None]) -> None:
+    """Run ``hook`` at the interpreter's exit, after background runs stop and before the warm starter
+    does (a layer above registers here: this module does not import it)."""
+    if hook not in _exit_hooks:
+        _exit_hooks.append(hook)
+
+
 @atexit.register
 def _at_exit() -> None:
     """An orderly exit mid-call (kernel shutdown or restart): background runs are cancelled (each
     ends as an interrupt would end it), then every rank left stops, then the tracked runs end
     KILLED, with their logs complete. Registered here, in that order, not left to the order in
     which the modules happened to be imported (atexit runs hooks last-in first-out)."""
-    from air_magic.session import background, persistent
+    from air_magic.session import background
 
     background.cancel_all()
-    persistent.stop_all()
+    for hook in list(_exit_hooks):  # a persistent session's stop (session/persistent.py)
+        hook()
     warm.at_exit()
     tracking.end_live_runs()
 

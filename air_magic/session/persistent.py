@@ -115,6 +115,9 @@ def stop_all() -> None:
         session.stop(wait_s=2.0, quiet=True)
 
 
+call.on_exit(stop_all)
+
+
 class Session:
     """A persistent session: start it, run cells and functions in it, stop it.
 
