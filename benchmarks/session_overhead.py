@@ -142,6 +142,12 @@ def main() -> None:
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
+        # The tracked session's link started the store's UI server (it outlives kernels): stop it.
+        import subprocess
+
+        subprocess.run(
+            [sys.executable, "-m", "air_magic", "ui", "--stop"], env=env, check=False, capture_output=True
+        )
     print(
         f"{time.strftime('%Y-%m-%d')} · {platform.node()} · {os.cpu_count()} CPUs · Python "
         f"{platform.python_version()} · {args.ranks} ranks · {args.cells} cells x {args.rounds} rounds"

@@ -261,10 +261,14 @@ class Session:
         name = getattr(fn, "__name__", "function")
         return self.run_call(name, fn, bound, kind="function").unwrap()
 
-    def run_cell(self, source: str) -> list[Any]:
-        """Run ``source`` in every rank's globals; every rank's value of its last expression."""
+    def run_cell(self, source: str, timeout: float | str | None = "session") -> list[Any]:
+        """Run ``source`` in every rank's globals; every rank's value of its last expression.
+
+        ``timeout``: seconds for this cell (None: none); default the session's."""
         bound = inspect.signature(cell_runner.run_cell).bind(source, f"<session {self.id}>", {}, {}, [])
-        outcomes = self.run_call("cell", cell_runner.run_cell, bound, kind="cell", source=source).unwrap()
+        outcomes = self.run_call(
+            "cell", cell_runner.run_cell, bound, kind="cell", source=source, timeout=timeout
+        ).unwrap()
         return [None if o.value is None else serialization.loads(o.value) for o in outcomes]
 
     def status(self) -> str:
