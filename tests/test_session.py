@@ -253,5 +253,19 @@ def test_a_rank_killed_between_cells_is_reported_at_the_next_cell(ip, session):
     deadline = time.monotonic() + 10
     while session._thread.is_alive() and time.monotonic() < deadline:
         time.sleep(0.05)
-    with pytest.raises(persistent.SessionEndedError, match="between cells"):
-        session.run_cell("1")
+    with pytest.raises(persistent.SessionEndedError, match="between cells") as info:
+        cell(ip, "1")  # not fresh ranks with the notebook's copies: the session's end, said once
+    assert "SIGKILL" in str(info.value), str(info.value)
+    assert persistent.active() is None
+    assert cell(ip, "1", "-n 2 --display none --no-tracking")[0] == [1, 1]  # then cells run fresh
+
+
+def test_a_name_the_ranks_hold_but_could_not_send_back_is_not_overwritten(ip, session):
+    ip.run_cell("lock = 5")
+    _, out = cell(ip, "import threading\nlock = threading.Lock()")
+    assert "not brought back: lock" in out.stdout and ip.user_ns["lock"] == 5
+    values, _ = cell(ip, "type(lock).__name__")  # the notebook's stale 5 is not sent over the ranks' lock
+    assert values == ["lock", "lock"]
+    ip.run_cell("lock = 6")  # rebound here: sent
+    values, _ = cell(ip, "lock")
+    assert values == [6, 6]

@@ -114,13 +114,15 @@ class DistributedMagics(Magics):
         if error is not None:
             raise error  # from here: IPython lists every frame a SyntaxError in a magic went through
 
-        live = persistent.active()
+        live = persistent.for_cell()  # a session that ended since its last cell raises here
         if live is not None:
             _check_session_options(live, args)
         pushed = [n.strip() for n in args.push.split(",") if n.strip()]
-        values, modules, skipped = _capture(shell, names_read(tree) + pushed, pushed)
-        if live is not None:  # the ranks' own objects win over the copies a session cell brought back
-            values = {n: v for n, v in values.items() if n in pushed or not live.held_by_ranks(n, v)}
+        wanted = names_read(tree) + pushed
+        if live is not None:  # the ranks' own objects win over the notebook's copies (docs/session.md)
+            ns = shell.user_ns
+            wanted = [n for n in wanted if n in pushed or not (n in ns and live.held_by_ranks(n, ns[n]))]
+        values, modules, skipped = _capture(shell, wanted, pushed)
         if skipped:
             print(f"air_magic: not sent (IPython's own): {', '.join(skipped)}")
         watch: list[str] = []
@@ -397,7 +399,10 @@ def _bring_back(
     shell.user_ns.update(loaded)
     gone = _delete_what_the_cell_deleted(shell, first.missing, deleted)
     if session is not None:
-        session.note_brought_back(loaded)
+        # Every name the cell bound in the ranks, with what the notebook has for it now: the copy that
+        # came back, or (not brought back) the old value, which must not overwrite the ranks' own.
+        bound = {*first.names, *first.unpicklable}
+        session.note_held({n: shell.user_ns.get(n, persistent._ABSENT) for n in bound})
         session.forget(gone)
     hidden = imported | set(first.star_names)
     shown = [k for k, v in loaded.items() if k not in hidden and not isinstance(v, types.ModuleType)]

@@ -73,6 +73,7 @@ RECOVER_S = 3.0  # after SIGINT, how long a rank gets to report the interrupt be
 STOP_WAIT_S = 10.0  # `session stop`: how long the ranks get to end on their own before they are stopped
 _TICK_S = 0.2
 
+_ABSENT = object()  # a name the notebook did not have when a cell bound it in the ranks
 _active: Session | None = None
 _last: Session | None = None  # the newest session started, running or not (%distributed session status)
 _active_lock = threading.Lock()
@@ -101,6 +102,22 @@ def active() -> Session | None:
     with _active_lock:
         session = _active
     return session if session is not None and session.alive() else None
+
+
+def for_cell() -> Session | None:
+    """The session the next ``%%distributed`` cell runs in (None: no session, fresh ranks).
+
+    A session that ended since its last cell (a rank died) raises its end here, once: the cell
+    must not quietly start fresh ranks with the notebook's copies of the ranks' state."""
+    global _active
+    with _active_lock:
+        session = _active
+    if session is None or session.alive():
+        return session
+    with _active_lock:
+        if _active is session:
+            _active = None
+    raise session._session_error("between cells")
 
 
 def last() -> Session | None:
@@ -153,13 +170,16 @@ class Session:
         self._error: BaseException | None = None
         self._run_started: RunStarted | None = None
         self._pids: dict[int, int] = {}
+        self._exited: set[int] = set()  # ranks whose process the loop has seen end
         self._memory: dict[int, dict[str, int]] = {}
         self._tails: list[RankTail] = []
         self._run_dir: str | None = None
         self._cmd: dict[int, int] = {}  # rank -> our end of its command pipe
         self._replies: dict[int, int] = {}  # our end of a reply pipe -> rank
         self._pending: dict[int, bytes] = {}
-        self._brought_back: dict[str, Any] = {}  # name -> the object a cell brought into the notebook
+        # name -> the notebook's object for it when a cell last bound it in the ranks (the copy that came
+        # back, the stale one a failed pull-back left, or _ABSENT): not sent again while it is the same
+        self._held: dict[str, Any] = {}
 
     # -- the surface's side ---------------------------------------------------------------
 
@@ -211,7 +231,15 @@ class Session:
             self.state = "ended"
             raise
         try:
-            self._pump(start, lambda: len(start.answers) == self.world_size, None)
+            limit = self.settings.timeout
+            deadline = None if limit is None else time.monotonic() + limit
+            if not self._pump(start, lambda: len(start.answers) == self.world_size, deadline):
+                self._end(f"its ranks were not ready within {limit:g} s (timeout=)")
+                error = SessionEndedError(
+                    f"session {self.id} did not start: {self.ended_why}; every rank is gone"
+                )
+                self._close_cell(start, "timeout", error)
+                raise error
         except KeyboardInterrupt:
             self._end("interrupted while it started")
             self._close_cell(start, "interrupted", None)
@@ -235,6 +263,7 @@ class Session:
         """End the session: each rank leaves its loop (its process group ends), then every process
         is gone. Safe to call twice."""
         global _active
+        self._held.clear()  # the notebook's objects are its own again (and not kept alive here)
         with _active_lock:
             if _active is self:
                 _active = None
@@ -265,7 +294,8 @@ class Session:
         """Run ``source`` in every rank's globals; every rank's value of its last expression.
 
         ``timeout``: seconds for this cell (None: none); default the session's."""
-        bound = inspect.signature(cell_runner.run_cell).bind(source, f"<session {self.id}>", {}, {}, [])
+        filename = f"<session {self.id} cell {self.cells + 1}>"  # its own lines in tracebacks
+        bound = inspect.signature(cell_runner.run_cell).bind(source, filename, {}, {}, [])
         outcomes = self.run_call(
             "cell", cell_runner.run_cell, bound, kind="cell", source=source, timeout=timeout
         ).unwrap()
@@ -288,15 +318,17 @@ class Session:
     # -- names between the notebook and the ranks ------------------------------------------
 
     def held_by_ranks(self, name: str, value: Any) -> bool:
-        """The ranks have their own ``name``: the notebook's is the copy a cell brought back."""
-        return name in self._brought_back and self._brought_back[name] is value
+        """The ranks have their own ``name``, and the notebook has not rebound it since a cell bound it
+        there (its value is the copy that came back, or what it held then)."""
+        return name in self._held and self._held[name] is value
 
-    def note_brought_back(self, names: dict[str, Any]) -> None:
-        self._brought_back.update(names)
+    def note_held(self, names: dict[str, Any]) -> None:
+        """``name -> the notebook's value now`` for names a cell bound in the ranks (_ABSENT: none)."""
+        self._held.update(names)
 
     def forget(self, names: list[str]) -> None:
         for name in names:
-            self._brought_back.pop(name, None)
+            self._held.pop(name, None)
 
     # -- one cell ---------------------------------------------------------------------------
 
@@ -344,11 +376,11 @@ class Session:
         for rank, pid in sorted(self._pids.items()):
             cell.bus.emit(RankStarted(rank=rank, pid=pid))
         self._track_cell_source(number, kind, source)
-        with self._lock:
-            self._current = cell
-        self._send({"cell": number})
         outcome, error = "failed", None
         try:
+            with self._lock:
+                self._current = cell
+            self._send({"cell": number})
             outcome, error = self._follow(cell, limit)
         except KeyboardInterrupt:
             outcome = "interrupted"
@@ -378,7 +410,13 @@ class Session:
 
         in_time = self._pump(cell, done_or_overdue, deadline)
         if self._finished is not None:
-            return "failed", self._session_error(f"during {cell.name}")
+            ended = self._session_error(f"during {cell.name}")
+            if any(record is not None for record in cell.records.values()):
+                # A rank raised before the session ended (a CUDA error, then a peer's abort): the
+                # rank's own exception is the root cause; the end is said beside it.
+                print(f"air_magic: {str(ended).splitlines()[0]}", file=sys.stderr)
+                return "failed", self._cell_error(cell)
+            return "failed", ended
         if not in_time:
             running = self._still_in(cell)
             stacks = take_stacks({r: self._pids[r] for r in running}, self.log_dir or "", "at the timeout")
@@ -398,6 +436,8 @@ class Session:
         if self._finished is not None:
             return False
         for rank in running:
+            if rank in self._exited:  # reaped: its pid may be another process's by now
+                continue
             try:
                 os.kill(self._pids[rank], signal.SIGINT)
             except (ProcessLookupError, KeyError):
@@ -640,6 +680,8 @@ class Session:
                         display.set_record(self.record)
         elif isinstance(event, RankStarted):
             self._pids[event.rank] = event.pid
+        elif isinstance(event, RankExited):
+            self._exited.add(event.rank)
         elif isinstance(event, RankOutput):
             self._tails[event.rank].add(event.text)
         elif isinstance(event, Tick):
@@ -689,21 +731,27 @@ class Session:
             self._error = exc
         finally:
             self.state = "ended"
-            for fd in [*self._cmd.values(), *self._replies]:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-            self._cmd.clear()
+            if self.ended_why is None:  # a rank died between cells: why, for status and the next cell
+                cause = self._result.error if self._result is not None else self._error
+                if cause is not None:
+                    self.ended_why = f"{type(cause).__name__}: {cause}".splitlines()[0]
+            with self._lock:  # not while _send writes: a closed number may be reused at once
+                for fd in [*self._cmd.values(), *self._replies]:
+                    try:
+                        os.close(fd)
+                    except OSError:
+                        pass
+                self._cmd.clear()
             self._queue.put(("event", RunFinished(self.id, "ended", 0.0, self.log_dir or "")))
 
     def _send(self, message: dict[str, Any]) -> None:
         line = (json.dumps(message) + "\n").encode()
-        for fd in list(self._cmd.values()):
-            try:
-                os.write(fd, line)  # a few bytes into an empty pipe: never blocks, never partial
-            except OSError:
-                pass  # the session is ending: its loop says why
+        with self._lock:
+            for fd in self._cmd.values():
+                try:
+                    os.write(fd, line)  # a few bytes into an empty pipe: never blocks, never partial
+                except OSError:
+                    pass  # the session is ending: its loop says why
 
     def _end(self, why: str) -> None:
         """Stop every rank now (the session's loop stops them as it stops a call)."""

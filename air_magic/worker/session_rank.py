@@ -88,6 +88,10 @@ class _CellFiles:
 def _run_cell(run_dir: str, rank: int, cell: int) -> bool:
     files = _CellFiles(run_dir, rank, cell)
     stage = "load"
+    # SIGINT raises KeyboardInterrupt from here to the cell's end (Python's own handler: no frame of
+    # ours in the traceback), loading included; outside a cell it is ignored, so one that comes as a
+    # cell ends cannot end the rank.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         data = wire.read_bytes(wire.session_cell_path(run_dir, cell))
         if data is None:
@@ -99,9 +103,6 @@ def _run_cell(run_dir: str, rank: int, cell: int) -> bool:
         if fn is cell_runner.run_cell:
             kwargs = {**kwargs, "namespace": _namespace}
         stage = "run"
-        # SIGINT raises KeyboardInterrupt in the cell (Python's own handler: no frame of ours in the
-        # traceback); outside a cell it is ignored, so one that comes as a cell ends cannot end the rank.
-        signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
             result = fn(*args, **kwargs)
         finally:
