@@ -541,3 +541,36 @@ def test_when_the_caller_dies_every_rank_on_every_node_dies(cluster, tmp_path):
         if caller.poll() is None:
             caller.kill()
         caller.communicate()
+
+
+def test_a_persistent_session_on_ray_keeps_each_ranks_state_across_nodes(cluster, ip):
+    from IPython.utils.capture import capture_output
+
+    from air_magic.session import persistent
+
+    def cell(body: str, line: str = "") -> object:
+        with capture_output() as captured:
+            result = ip.run_cell_magic("distributed", line, body)
+        return result, captured.stdout
+
+    with capture_output():
+        session = ip.run_line_magic(
+            "distributed", "session start -n 3 --cluster ray --display text --no-tracking --timeout 60"
+        )
+    try:
+        _, out = cell(
+            "import os, torch, torch.distributed as dist\nnode = os.environ['NODE_RANK']\nprint('on', node)"
+        )
+        for rank in range(3):
+            assert f"[rank {rank}] on {rank}" in out  # output before the answer, per rank
+        values, _ = cell("t = torch.tensor([float(node)])\ndist.all_reduce(t)\n(node, t.item())")
+        assert values == [("0", 3.0), ("1", 3.0), ("2", 3.0)]  # each rank kept its own `node`
+        with pytest.raises(KeyError, match="only rank 2"):
+            cell("import os\nif os.environ['RANK'] == '2':\n    raise KeyError('only rank 2')\n")
+        with pytest.raises(TimeoutError, match="goes on"):
+            cell("import time\ntime.sleep(60)", "--timeout 2")  # SIGINT through each node's agent
+        values, _ = cell("node")
+        assert values == ["0", "1", "2"] and persistent.active() is session
+    finally:
+        session.stop(quiet=True)
+    assert persistent.active() is None

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -33,18 +32,29 @@ class LaunchRequest:
     channel: CellChannel | None = None
 
 
-class CellChannel(Protocol):
-    """A persistent session's pipes to its ranks, watched by the backend's loop with the rest.
+class CellSender(Protocol):
+    """How a persistent session reaches its ranks, whichever backend runs them (from any thread)."""
 
-    :meth:`open` runs in the call folder before any rank starts and returns the descriptors
-    to watch; :meth:`readable` runs on the loop's thread when one of them can be read, with
-    ``drain_output(rank)``, which hands everything already in that rank's output pipes to the
-    consumers (call it before reporting that the rank finished a cell).
+    def send_cell(self, number: int, payload: bytes) -> None: ...  # every rank runs cell ``number``
+
+    def send_stop(self) -> None: ...  # every rank leaves its loop and ends like a call's rank
+
+    def interrupt(self, ranks: list[int]) -> None: ...  # SIGINT to these ranks, if still running
+
+
+class CellChannel(Protocol):
+    """A persistent session's side of the line to its ranks (session/persistent.py).
+
+    The backend calls :meth:`connect` before any rank starts, with its :class:`CellSender`,
+    and :meth:`answered` on its own thread for each answer of a rank, after handing every
+    byte that rank printed before it to the consumers. ``answer`` is the rank's message
+    (``{"ready": ...}`` once, then ``{"cell": N, "ok": ..., "memory": ...}``), ``outcome`` the
+    cell's pickled result (ok) or error record (not ok).
     """
 
-    def open(self, run_dir: str, world_size: int) -> list[int]: ...
+    def connect(self, sender: CellSender) -> None: ...
 
-    def readable(self, fd: int, drain_output: Callable[[int], None]) -> None: ...
+    def answered(self, rank: int, answer: dict[str, Any], outcome: bytes | None) -> None: ...
 
 
 @dataclass

@@ -30,10 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import json
-import os
 import queue
-import signal
 import sys
 import threading
 import time
@@ -47,10 +44,10 @@ from air_magic.display.widgets import make_consumers
 from air_magic.errors import ConfigurationError, DistributedTimeoutError, LaunchError
 from air_magic.launch.failures import RankFailure, build_exception
 from air_magic.launch.payload import build_payload
-from air_magic.launch.request import RunResult, new_run_id
+from air_magic.launch.request import CellSender, RunResult, new_run_id
 from air_magic.launch.settings import LaunchSettings, make_settings
-from air_magic.launch.stacks import take_stacks, timeout_section
-from air_magic.protocol import serialization, wire
+from air_magic.launch.stacks import timeout_section
+from air_magic.protocol import serialization
 from air_magic.protocol.events import (
     Event,
     EventBus,
@@ -94,7 +91,8 @@ class _Cell:
     answers: dict[int, bool] = field(default_factory=dict)  # rank -> it ran the cell without error
     first_error_at: float | None = None
     interrupted: list[int] = field(default_factory=list)
-    records: dict[int, Any] = field(default_factory=dict)  # rank -> its ErrorRecord, read at its answer
+    records: dict[int, Any] = field(default_factory=dict)  # rank -> its ErrorRecord (None: unreadable)
+    results: dict[int, bytes] = field(default_factory=dict)  # rank -> its pickled value
 
 
 def active() -> Session | None:
@@ -144,10 +142,6 @@ class Session:
     """
 
     def __init__(self, settings: LaunchSettings, name: str = "session"):
-        if settings.cluster is not None:
-            raise ConfigurationError(
-                "a persistent session runs on this machine for now: cluster= is not supported in a session"
-            )
         if settings.detach:
             raise ConfigurationError("a persistent session lives in this process: detach=True is not for it")
         self.settings = settings
@@ -170,13 +164,9 @@ class Session:
         self._error: BaseException | None = None
         self._run_started: RunStarted | None = None
         self._pids: dict[int, int] = {}
-        self._exited: set[int] = set()  # ranks whose process the loop has seen end
         self._memory: dict[int, dict[str, int]] = {}
         self._tails: list[RankTail] = []
-        self._run_dir: str | None = None
-        self._cmd: dict[int, int] = {}  # rank -> our end of its command pipe
-        self._replies: dict[int, int] = {}  # our end of a reply pipe -> rank
-        self._pending: dict[int, bytes] = {}
+        self._sender: CellSender | None = None  # the backend's line to the ranks (connect())
         # name -> the notebook's object for it when a cell last bound it in the ranks (the copy that came
         # back, the stale one a failed pull-back left, or _ABSENT): not sent again while it is the same
         self._held: dict[str, Any] = {}
@@ -271,7 +261,8 @@ class Session:
             self.state = "ended"
             return
         self.ended_why = self.ended_why or "stopped"
-        self._send({"stop": True})
+        if self._sender is not None:
+            self._sender.send_stop()
         self._thread.join(wait_s)
         if self._thread.is_alive():
             self._stop_ranks()
@@ -363,9 +354,8 @@ class Session:
     ) -> RunResult:
         self._check_usable()
         payload = build_payload(func, bound, self.settings.max_payload_bytes)
-        assert self._run_dir is not None and self._run_started is not None
+        assert self._sender is not None and self._run_started is not None
         number = self.cells + 1
-        wire.write_atomically(wire.session_cell_path(self._run_dir, number), payload)
         self.cells = number
         limit = self.settings.timeout if isinstance(timeout, str) else timeout  # 'session': the session's
         displays = make_consumers(display or self.settings.display, self.record)
@@ -380,7 +370,7 @@ class Session:
         try:
             with self._lock:
                 self._current = cell
-            self._send({"cell": number})
+            self._sender.send_cell(number, payload)
             outcome, error = self._follow(cell, limit)
         except KeyboardInterrupt:
             outcome = "interrupted"
@@ -395,7 +385,7 @@ class Session:
             self._close_cell(cell, outcome, error)
         if error is not None:
             return RunResult(started.run_id, started.log_dir, outcome, error=error)
-        return RunResult(started.run_id, started.log_dir, outcome, values=self._results(number))
+        return RunResult(started.run_id, started.log_dir, outcome, values=self._results(cell))
 
     def _follow(self, cell: _Cell, limit: float | None) -> tuple[str, BaseException | None]:
         """Wait for every rank's answer; interrupt the stragglers after an error or the timeout."""
@@ -419,7 +409,7 @@ class Session:
             return "failed", ended
         if not in_time:
             running = self._still_in(cell)
-            stacks = take_stacks({r: self._pids[r] for r in running}, self.log_dir or "", "at the timeout")
+            stacks = self._stacks(running)
             tails = {r: self._tails[r].last(5) for r in running}  # before the interrupt's traceback
             recovered = self._interrupt(cell)
             return "timeout", self._timeout_error(cell, limit or 0.0, tails, stacks, recovered)
@@ -435,13 +425,8 @@ class Session:
         running = self._still_in(cell)
         if self._finished is not None:
             return False
-        for rank in running:
-            if rank in self._exited:  # reaped: its pid may be another process's by now
-                continue
-            try:
-                os.kill(self._pids[rank], signal.SIGINT)
-            except (ProcessLookupError, KeyError):
-                pass
+        if self._sender is not None:
+            self._sender.interrupt(running)  # the backend skips a rank whose process has ended
         cell.interrupted = running
         try:
             recovered = self._pump(cell, self._everyone_answered(cell), time.monotonic() + RECOVER_S)
@@ -492,7 +477,7 @@ class Session:
                 return
             cell.bus.emit(event)
         elif kind == "answer":
-            _, rank, message = item
+            _, rank, message, outcome = item
             if message.get("ready"):
                 if cell.number == 0:
                     cell.answers[rank] = True
@@ -504,10 +489,12 @@ class Session:
                 return  # an answer to a cell that already ended (it came after the session gave up)
             ok = bool(message.get("ok"))
             cell.answers[rank] = ok
-            if not ok:  # read now: the call folder goes with the session, should it end
-                cell.records[rank] = self._read_record(cell.number, rank)
-            if not ok and cell.first_error_at is None:
-                cell.first_error_at = time.monotonic()
+            if ok:
+                cell.results[rank] = outcome
+            else:
+                cell.records[rank] = _load_record(outcome)
+                if cell.first_error_at is None:
+                    cell.first_error_at = time.monotonic()
             if ok:
                 reason, state = "returned", RankState.SUCCEEDED
             elif rank in cell.interrupted:
@@ -546,8 +533,6 @@ class Session:
         )
         if cell.number:
             self._track_cell_end(cell.number, outcome, time.monotonic() - cell.started)
-        if outcome != "succeeded":
-            self._remove_cell_files(cell.number)
 
     def _drain_queue(self, cell: _Cell) -> None:
         if self._thread is not None:
@@ -561,27 +546,24 @@ class Session:
 
     # -- outcomes ---------------------------------------------------------------------------
 
-    def _results(self, number: int) -> list[Any]:
-        assert self._run_dir is not None
+    def _results(self, cell: _Cell) -> list[Any]:
         values = []
-        try:
-            for rank in range(self.world_size):
-                data = wire.read_bytes(wire.cell_result_path(self._run_dir, number, rank))
-                if data is None:
-                    raise LaunchError(f"rank {rank} answered cell {number} but its result is missing")
-                values.append(serialization.loads(data))
-        finally:
-            self._remove_cell_files(number)
+        for rank in range(self.world_size):
+            data = cell.results.get(rank)
+            if data is None:
+                raise LaunchError(f"rank {rank} answered {cell.name} but its result is missing")
+            values.append(serialization.loads(data))
         return values
 
-    def _read_record(self, number: int, rank: int) -> Any:
-        if self._run_dir is None:
-            return None
-        data = wire.read_bytes(wire.cell_error_path(self._run_dir, number, rank))
+    def _stacks(self, ranks: list[int]) -> dict[int, str]:
+        """The thread stacks of these ranks, from the backend (on this machine or the nodes')."""
+        prepared = self._prepared
+        if prepared is None:
+            return {}
         try:
-            return serialization.loads(data) if data is not None else None
-        except Exception:  # noqa: BLE001 - a torn record: the rank's log still has the traceback
-            return None
+            return {r: text for r, text in prepared.backend.stacks().items() if r in ranks}
+        except Exception:  # noqa: BLE001 - stacks are a help; the timeout's error goes out anyway
+            return {}
 
     def _records(self, cell: _Cell) -> list[RankFailure]:
         failures = []
@@ -680,8 +662,6 @@ class Session:
                         display.set_record(self.record)
         elif isinstance(event, RankStarted):
             self._pids[event.rank] = event.pid
-        elif isinstance(event, RankExited):
-            self._exited.add(event.rank)
         elif isinstance(event, RankOutput):
             self._tails[event.rank].add(event.text)
         elif isinstance(event, Tick):
@@ -691,34 +671,14 @@ class Session:
         if following or isinstance(event, (RankExited, RunFinished)):
             self._queue.put(("event", event))
 
-    def open(self, run_dir: str, world_size: int) -> list[int]:
-        """The backend's loop, before any rank starts: both pipes of every rank; ours open at both
-        ends so that no open blocks and a rank never sees an end of file while we live."""
-        self._run_dir = run_dir
-        fds = []
-        for rank in range(world_size):
-            for direction in ("cmd", "reply"):
-                os.mkfifo(wire.session_fifo(run_dir, direction, rank), 0o600)
-            self._cmd[rank] = os.open(wire.session_fifo(run_dir, "cmd", rank), os.O_RDWR | os.O_NONBLOCK)
-            reply = os.open(wire.session_fifo(run_dir, "reply", rank), os.O_RDWR | os.O_NONBLOCK)
-            self._replies[reply] = rank
-            self._pending[reply] = b""
-            fds.append(reply)
-        return fds
+    def connect(self, sender: CellSender) -> None:
+        """The backend's line to the ranks, before any rank starts (CellChannel)."""
+        self._sender = sender
 
-    def readable(self, fd: int, drain_output: Callable[[int], None]) -> None:
-        """An answer from a rank (the loop's thread): its output first, then the answer."""
-        rank = self._replies[fd]
-        try:
-            data = os.read(fd, 65536)
-        except BlockingIOError:
-            return
-        *lines, self._pending[fd] = (self._pending[fd] + data).split(b"\n")
-        for line in lines:
-            message = json.loads(line)
-            self._memory[rank] = message.get("memory") or {}
-            drain_output(rank)
-            self._queue.put(("answer", rank, message))
+    def answered(self, rank: int, answer: dict[str, Any], outcome: bytes | None) -> None:
+        """A rank's answer, after everything it printed before it (the backend's thread)."""
+        self._memory[rank] = answer.get("memory") or {}
+        self._queue.put(("answer", rank, answer, outcome))
 
     # -- the session's own thread -----------------------------------------------------------
 
@@ -735,23 +695,7 @@ class Session:
                 cause = self._result.error if self._result is not None else self._error
                 if cause is not None:
                     self.ended_why = f"{type(cause).__name__}: {cause}".splitlines()[0]
-            with self._lock:  # not while _send writes: a closed number may be reused at once
-                for fd in [*self._cmd.values(), *self._replies]:
-                    try:
-                        os.close(fd)
-                    except OSError:
-                        pass
-                self._cmd.clear()
             self._queue.put(("event", RunFinished(self.id, "ended", 0.0, self.log_dir or "")))
-
-    def _send(self, message: dict[str, Any]) -> None:
-        line = (json.dumps(message) + "\n").encode()
-        with self._lock:
-            for fd in self._cmd.values():
-                try:
-                    os.write(fd, line)  # a few bytes into an empty pipe: never blocks, never partial
-                except OSError:
-                    pass  # the session is ending: its loop says why
 
     def _end(self, why: str) -> None:
         """Stop every rank now (the session's loop stops them as it stops a call)."""
@@ -769,21 +713,6 @@ class Session:
             prepared.backend.stop()
         if self._thread is not None:
             self._thread.join(15.0)
-
-    def _remove_cell_files(self, number: int) -> None:
-        if self._run_dir is None:
-            return
-        paths_ = [wire.session_cell_path(self._run_dir, number)]
-        for rank in range(self.world_size):
-            paths_ += [
-                wire.cell_result_path(self._run_dir, number, rank),
-                wire.cell_error_path(self._run_dir, number, rank),
-            ]
-        for path in paths_:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
 
     # -- header and MLflow -------------------------------------------------------------------
 
@@ -833,6 +762,13 @@ def _log_cell(client: Any, run_id: str, number: int, outcome: str, seconds: floa
         ],
         tags=[RunTag("air_magic.cells", str(number))],
     )
+
+
+def _load_record(data: bytes | None) -> Any:
+    try:
+        return serialization.loads(data) if data is not None else None
+    except Exception:  # noqa: BLE001 - a torn record: the rank's log still has the traceback
+        return None
 
 
 def memory_words(memory: dict[str, int] | None) -> str:

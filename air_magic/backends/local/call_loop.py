@@ -27,6 +27,7 @@ from typing import Any
 from air_magic.backends.local import warm
 from air_magic.backends.local.ranks import RankPipes, RankSlot, spawn_rank
 from air_magic.backends.local.rendezvous import LOOPBACK
+from air_magic.backends.local.session_pipes import SessionPipes
 from air_magic.backends.output import OutputRouter
 from air_magic.errors import DistributedTimeoutError, LaunchError, PayloadError
 from air_magic.launch.failures import RankFailure, build_exception, exit_words, raised_on_its_own
@@ -101,6 +102,7 @@ class CallLoop:
         self.payload_gone = False
         self.teardown_at: float | None = None  # when the first stop of the ranks began
         self.held_starter: warm.Starter | None = None
+        self.session_pipes: SessionPipes | None = None  # a persistent session's line to its ranks
 
     # -- the whole call ----------------------------------------------------------------
 
@@ -124,8 +126,10 @@ class CallLoop:
             try:
                 channel = self.request.channel
                 if channel is not None:  # a persistent session: its pipes before its ranks open them
-                    for fd in channel.open(self.run_dir, self.world):
+                    self.session_pipes = SessionPipes(self.run_dir, range(self.world))
+                    for fd in self.session_pipes.open():
                         self.selector.register(fd, selectors.EVENT_READ, ("channel", None))
+                    channel.connect(_LoopCells(self, self.session_pipes))
                 started = self._start_ranks(lifeline_r)
             finally:
                 os.close(lifeline_r)
@@ -157,6 +161,8 @@ class CallLoop:
             self.router.close()
             discard_rank_files(self.log_dir)  # the ranks are gone: their stack files with them
             self.selector.close()
+            if self.session_pipes is not None:
+                self.session_pipes.close()
             os.close(lifeline_w)  # last: ranks die with the lifeline if anything above failed
             if self.held_starter is not None:
                 warm.release(self.held_starter)
@@ -290,14 +296,26 @@ class CallLoop:
                     self.pipes.read(key.fd, ranked, stream)
                 elif ranked == "starter":
                     self._pump_starter(key.fileobj)
-                elif ranked == "channel" and self.request.channel is not None:
-                    self.request.channel.readable(key.fd, self._drain_output)
+                elif ranked == "channel":
+                    self._answers(key.fd)
                 # A readable pidfd needs nothing here: the poll at the top reaps it.
 
-    def _drain_output(self, rank: int) -> None:
-        """Everything already in ``rank``'s pipes to the consumers (a session rank finished a cell)."""
-        if 0 <= rank < len(self.ranks):
-            self.pipes.drain_rank(self.ranks[rank])
+    def _answers(self, fd: int) -> None:
+        """A session rank's answers: everything it printed before each goes to the consumers first."""
+        assert self.session_pipes is not None and self.request.channel is not None
+        for rank, answer, outcome in self.session_pipes.read(fd):
+            if 0 <= rank < len(self.ranks):
+                self.pipes.drain_rank(self.ranks[rank])
+            self.request.channel.answered(rank, answer, outcome)
+
+    def interrupt(self, ranks: list[int]) -> None:
+        """SIGINT to these ranks (a session's cell), skipping any whose process has ended."""
+        for r in list(self.ranks):
+            if r.rank in ranks and r.exit_code is None and r.dead_since is None:
+                try:
+                    os.kill(r.proc.pid, signal.SIGINT)
+                except ProcessLookupError:
+                    pass
 
     def _note_reported_failures(self, now: float) -> None:
         """A rank that reported its exception has failed, even if its process has not ended yet.
@@ -517,6 +535,22 @@ class CallLoop:
                 ):
                     f.time = min(f.time, first - 1e-6)
         return failures
+
+
+class _LoopCells:
+    """The local backend's CellSender: the session's pipes, and SIGINT through the loop's ranks."""
+
+    def __init__(self, loop: CallLoop, pipes: SessionPipes):
+        self._loop, self._pipes = loop, pipes
+
+    def send_cell(self, number: int, payload: bytes) -> None:
+        self._pipes.send_cell(number, payload)
+
+    def send_stop(self) -> None:
+        self._pipes.send_stop()
+
+    def interrupt(self, ranks: list[int]) -> None:
+        self._loop.interrupt(ranks)
 
 
 def _exit_reason(code: int | None, ok: bool) -> str:

@@ -48,6 +48,7 @@ from air_magic import paths, private_files
 from air_magic.backends.local import warm
 from air_magic.backends.local.ranks import RankPipes, RankSlot, spawn_rank
 from air_magic.backends.local.rendezvous import RendezvousStore
+from air_magic.backends.local.session_pipes import SessionPipes
 from air_magic.launch.accelerators import AcceleratorPlan, detect_gpus
 from air_magic.launch.rank_env import RankPlace, rank_environment
 from air_magic.launch.stacks import take_stacks
@@ -176,6 +177,28 @@ class NodeAgent:
     def ping(self) -> int:
         return os.getpid()
 
+    # -- a persistent session's cells (SPEC §15; the caller's session/persistent.py) --------
+
+    def cell(self, run_id: str, number: int, payload: bytes) -> None:
+        """Cell ``number`` to this node's ranks of session ``run_id`` (the payload, resolved by Ray)."""
+        call = self._call_of(run_id)
+        if call is not None and call.session_pipes is not None:
+            call.session_pipes.send_cell(number, payload)
+
+    def end_session(self, run_id: str) -> None:
+        call = self._call_of(run_id)
+        if call is not None and call.session_pipes is not None:
+            call.session_pipes.send_stop()
+
+    def interrupt(self, run_id: str, ranks: list[int]) -> None:
+        call = self._call_of(run_id)
+        if call is not None:
+            call.interrupt(ranks)
+
+    def _call_of(self, run_id: str) -> NodeCall | None:
+        call = self._call
+        return call if call is not None and call.run_id == run_id else None
+
     def stacks(self, run_id: str) -> dict[int, str]:
         """The thread stacks of this node's running ranks of call ``run_id`` (launch/stacks.py)."""
         call = self._call
@@ -264,6 +287,11 @@ class NodeCall:
         self.ranks: list[RankSlot] = []
         self.selector = selectors.DefaultSelector()
         self.pipes = RankPipes(self.selector, self._output)
+        self.session_pipes: SessionPipes | None = None  # a persistent session's line to its ranks here
+        if spec.get("session"):
+            self.session_pipes = SessionPipes(self.run_dir, spec["ranks"])
+            for fd in self.session_pipes.open():  # before the ranks start: they open them
+                self.selector.register(fd, selectors.EVENT_READ, ("channel", None))
         self.tracker = DescendantTracker()
         self.lifeline_w: int | None = None
         self.finished = False
@@ -385,6 +413,8 @@ class NodeCall:
                         self.pipes.read(key.fd, slot, stream)
                     elif slot == "starter":
                         self._pump_starter(cast(warm.Starter, key.fileobj))
+                    elif slot == "channel":
+                        self._answers(key.fd)
                     else:
                         self._dead(slot)
                 self._look()
@@ -415,6 +445,24 @@ class NodeCall:
             self.selector.unregister(r.pidfd)
             os.close(r.pidfd)
             r.pidfd = None
+
+    def _answers(self, fd: int) -> None:
+        """A session rank's answers, each after everything that rank printed before it."""
+        assert self.session_pipes is not None
+        for rank, answer, outcome in self.session_pipes.read(fd):
+            for r in self.ranks:
+                if r.rank == rank:
+                    self.pipes.drain_rank(r)
+            self.emit(("answer", rank, answer, outcome))
+
+    def interrupt(self, ranks: list[int]) -> None:
+        """SIGINT to these ranks of a session (a cell's interrupt), skipping any that has ended."""
+        for r in list(self.ranks):
+            if r.rank in ranks and r.exit_code is None and r.dead_since is None:
+                try:
+                    os.kill(r.proc.pid, signal.SIGINT)
+                except ProcessLookupError:
+                    pass
 
     def _output(self, rank: int, stream: str, data: bytes) -> None:
         self.emit(("out", rank, stream, data))
@@ -508,4 +556,6 @@ class NodeCall:
             os.close(self.lifeline_w)
             self.lifeline_w = None
         self.selector.close()
+        if self.session_pipes is not None:
+            self.session_pipes.close()
         shutil.rmtree(self.run_dir, ignore_errors=True)

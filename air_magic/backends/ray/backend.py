@@ -17,7 +17,7 @@ import threading
 from air_magic.backends.local import warm
 from air_magic.backends.ray import cluster, placement
 from air_magic.backends.ray.run_loop import RayRun
-from air_magic.errors import ConfigurationError, LaunchError
+from air_magic.errors import LaunchError
 from air_magic.launch.accelerators import AcceleratorPlan
 from air_magic.launch.request import LaunchRequest, RunResult
 from air_magic.launch.settings import LaunchSettings
@@ -53,10 +53,6 @@ class RayBackend:
     def run(self, request: LaunchRequest, bus: EventBus) -> RunResult:
         pool = self._pool
         assert pool is not None, "prepare() first"
-        if request.channel is not None:
-            raise ConfigurationError(
-                "a persistent session runs on this machine for now, not on a Ray cluster"
-            )
         if not pool.in_use.acquire(blocking=False):
             raise LaunchError("another call of this process is running on the Ray cluster: one at a time")
         try:

@@ -127,7 +127,7 @@ class RayRun:
         self.stop_requested = stop_requested
         self.starter_wait_s = starter_wait_s
         self.world = request.plan.world_size
-        self.run_id = new_run_id()
+        self.run_id = request.run_id or new_run_id()
         self.log_dir = make_log_dir(request.log_root, self.run_id)
         self.router = OutputRouter(self.log_dir, self.world, bus)
         self.started = time.monotonic()
@@ -225,6 +225,8 @@ class RayRun:
         opened = self.agents[0].open_store.remote(self.run_id, self.world, master)
         port = ray.get(opened, timeout=START_WAIT_S)
         payload = ray.put(self.request.payload)  # once, whatever the number of nodes
+        if self.request.channel is not None:  # a persistent session: its line, before its ranks answer
+            self.request.channel.connect(_RayCells(self))
         wait = self.starter_wait_s
         if self.deadline is not None:
             wait = max(0.0, min(wait, self.deadline - time.monotonic()))
@@ -245,6 +247,7 @@ class RayRun:
                 "log_dir": self.log_dir,
                 "warm_start": self.warm_start,
                 "starter_wait_s": wait,
+                "session": self.request.channel is not None,
             }
             self.starts[agent.start.remote(spec, payload)] = node
         end = time.monotonic() + START_WAIT_S
@@ -392,6 +395,9 @@ class RayRun:
         elif kind == "metrics":
             _, rank, data = event
             self._append_metrics(rank, data)
+        elif kind == "answer" and self.request.channel is not None:  # a session rank ended a cell
+            _, rank, answer, outcome = event
+            self.request.channel.answered(rank, answer, outcome)
         elif kind == "done":
             self.done_nodes.add(node)
             if any(r.node == node and not r.exited and r.pid is not None for r in self.ranks):
@@ -611,6 +617,37 @@ class RayRun:
             message += f"\n  {len(others)} other rank(s) failed after it (collective errors)."
         self.failed_rank = first.rank
         return RankFailedError(message, rank=first.rank, exit_code=None, log_dir=self.log_dir)
+
+
+class _RayCells:
+    """The Ray backend's CellSender: each node's agent writes to its own ranks' session pipes."""
+
+    def __init__(self, run: RayRun):
+        self._run = run
+
+    def send_cell(self, number: int, payload: bytes) -> None:
+        run = self._run
+        ref = run.ray.put(payload)  # once, whatever the number of nodes
+        run.ray.get([a.cell.remote(run.run_id, number, ref) for a in run.agents], timeout=START_WAIT_S)
+
+    def send_stop(self) -> None:
+        run = self._run
+        try:
+            run.ray.get([a.end_session.remote(run.run_id) for a in run.agents], timeout=STACKS_WAIT_S)
+        except Exception:  # noqa: BLE001 - a node that cannot answer: the session's stop stops it
+            pass
+
+    def interrupt(self, ranks: list[int]) -> None:
+        run = self._run
+        sent = []
+        for node, agent in enumerate(run.agents):
+            here = [r.rank for r in run.ranks if r.node == node and r.rank in ranks and not r.exited]
+            if here:
+                sent.append(agent.interrupt.remote(run.run_id, here))
+        try:
+            run.ray.get(sent, timeout=STACKS_WAIT_S)
+        except Exception as exc:  # noqa: BLE001 - a node that cannot answer: the session ends after the wait
+            print(f"air_magic: could not interrupt every node's ranks: {exc}", file=sys.stderr)
 
 
 def _death_words(r: RankRecord) -> str:
