@@ -2,18 +2,15 @@
 
 The session is one long call. Its function is ``worker/session_rank.serve``; it
 is prepared and run like any call (``session/call.py``: the accelerator plan,
-the GPU claim, one MLflow run, the local backend's loop with its lifeline,
-pidfds and teardown), on a thread of its own. What is added is a line to the
-ranks, :class:`Session` being the backend's ``CellChannel``:
-
-- before the ranks start, two named pipes per rank in the call's private
-  folder: ``cmd`` (which cell to run next) and ``reply`` (the cell is done);
-- a cell: its payload written once into the call folder, its number on every
-  ``cmd`` pipe; each rank answers on ``reply`` after its output is flushed, and
-  the loop hands that rank's output to the consumers before the answer;
-- the loop's events and the answers go through one queue to the thread that
-  runs the cell (the caller's), which feeds the cell's own display and
-  history: the tabs and the text appear in the cell that ran, in order.
+the GPU claim, one MLflow run, the backend's loop with its lifeline, pidfds and
+teardown, locally or on Ray), on a thread of its own. :class:`Session` is the
+request's ``CellChannel`` (``launch/request.py``): before any rank starts the
+backend hands it a ``CellSender`` (a cell to every rank, stop, SIGINT to some
+ranks; on each node ``backends/local/session_pipes.py``), and passes it each
+rank's answer to a cell after everything that rank printed before it. The
+loop's events and the answers go through one queue to the thread that runs the
+cell (the caller's), which feeds the cell's own display and history: the tabs
+and the text appear in the cell that ran, in order.
 
 Failures: a rank that raises reports like a call's rank (its exception and
 traceback) and lives on. After the first error the others get
@@ -21,8 +18,8 @@ traceback) and lives on. After the first error the others get
 timeout, the ranks still in the cell get SIGINT and :data:`RECOVER_S` to
 report. If every rank does, the session lives on; if not, or if a rank dies,
 the session ends (every rank stopped, as at the end of a call) and says why.
-The kernel's exit stops it (``call._at_exit``); its death takes the ranks with
-the lifeline.
+The kernel's exit stops it (``call.on_exit``); its death takes the ranks with
+the lifeline. Decisions: docs/session.md.
 """
 
 from __future__ import annotations
