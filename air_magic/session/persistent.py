@@ -197,8 +197,9 @@ class Session:
             )
         func = session_rank.serve
         settings = dataclasses.replace(self.settings, timeout=None)  # the cells have the timeouts
+        # Named with its id: the run's name, and what a call refused its GPUs is told holds them.
         prepared = call.prepare_call(
-            self.name, func, inspect.signature(func).bind(), settings, kind="session"
+            f"{self.name} {self.id}", func, inspect.signature(func).bind(), settings, kind="session"
         )
         prepared.channel = self
         prepared.run_id = self.id
