@@ -365,13 +365,23 @@ class Session:
             cell.bus.emit(RankStarted(rank=rank, pid=pid))
         self._track_cell_source(number, kind, source)
         outcome, error = "failed", None
+        sent = False
         try:
             with self._lock:
                 self._current = cell
-            self._sender.send_cell(number, payload)
+            try:
+                self._sender.send_cell(number, payload)
+            except Exception as exc:  # some ranks may have it, others not: no way on
+                self._end(f"{name} could not be sent to every rank ({type(exc).__name__}: {exc})")
+                raise SessionEndedError(f"session {self.id} ended: {self.ended_why}") from exc
+            sent = True
             outcome, error = self._follow(cell, limit)
         except KeyboardInterrupt:
             outcome = "interrupted"
+            if not sent:  # on some nodes the cell may start after the interrupt: the session goes
+                self._end(f"{name} was interrupted while it was being sent to the ranks")
+                print(f"air_magic: session {self.id} ended: {self.ended_why}", file=sys.stderr)
+                raise
             recovered = self._interrupt(cell)
             if recovered:
                 print(

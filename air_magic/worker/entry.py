@@ -65,6 +65,10 @@ def main(transport: wire.RankTransport) -> NoReturn:
     """Run this rank's part of the call: payload in through ``transport``, outcome out through it."""
     global _in_rank
     _in_rank = True
+    # As a fresh `python` starts: no signal blocked. A rank started from a thread that blocks some
+    # (a Ray agent's) inherits that mask through fork and exec: SIGINT would never interrupt a
+    # session's cell, SIGTERM's grace would not run, the stack-dump signal would not answer.
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
     install_exit_hook()  # no-op in a forked rank: the starter installed it before its preload
     # A segfault in C code still leaves a Python stack in the rank's log.
     faulthandler.enable(all_threads=True)

@@ -51,9 +51,6 @@ def serve() -> None:
     commands = open(wire.session_fifo(run_dir, "cmd", rank), "rb", buffering=0)  # noqa: SIM115
     replies = os.open(wire.session_fifo(run_dir, "reply", rank), os.O_WRONLY)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # A rank started from a thread that blocks SIGINT (a Ray agent's) inherits the mask: unblocked
-    # here, or an interrupt would wait, pending, for ever.
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     _set_up_torch()
     _answer(replies, {"ready": True, "memory": memory_in_use()})
     pending = b""

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from air_magic.backends.local import warm
-from air_magic.backends.local.ranks import RankPipes, RankSlot, spawn_rank
+from air_magic.backends.local.ranks import RankPipes, RankSlot, send_signal, spawn_rank
 from air_magic.backends.local.rendezvous import LOOPBACK
 from air_magic.backends.local.session_pipes import SessionPipes
 from air_magic.backends.output import OutputRouter
@@ -312,10 +312,7 @@ class CallLoop:
         """SIGINT to these ranks (a session's cell), skipping any whose process has ended."""
         for r in list(self.ranks):
             if r.rank in ranks and r.exit_code is None and r.dead_since is None:
-                try:
-                    os.kill(r.proc.pid, signal.SIGINT)
-                except ProcessLookupError:
-                    pass
+                send_signal(r, signal.SIGINT)
 
     def _note_reported_failures(self, now: float) -> None:
         """A rank that reported its exception has failed, even if its process has not ended yet.

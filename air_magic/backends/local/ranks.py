@@ -158,6 +158,17 @@ class RankSlot:
         return isinstance(self.proc, ForkedRank) and self.proc.status_lost
 
 
+def send_signal(slot: RankSlot, signum: int) -> None:
+    """``signum`` to the rank's process only, through its pidfd when it has one (never a reused pid)."""
+    try:
+        if slot.pidfd is not None:
+            signal.pidfd_send_signal(slot.pidfd, signum)
+        else:
+            os.kill(slot.proc.pid, signum)
+    except (ProcessLookupError, OSError):
+        pass  # it has ended
+
+
 class RankPipes:
     """Where rank output is read: every rank's stdout and stderr pipes, in the loop's selector.
 

@@ -46,7 +46,7 @@ from typing import Any, NoReturn, cast
 
 from air_magic import paths, private_files
 from air_magic.backends.local import warm
-from air_magic.backends.local.ranks import RankPipes, RankSlot, spawn_rank
+from air_magic.backends.local.ranks import RankPipes, RankSlot, send_signal, spawn_rank
 from air_magic.backends.local.rendezvous import RendezvousStore
 from air_magic.backends.local.session_pipes import SessionPipes
 from air_magic.launch.accelerators import AcceleratorPlan, detect_gpus
@@ -182,8 +182,9 @@ class NodeAgent:
     def cell(self, run_id: str, number: int, payload: bytes) -> None:
         """Cell ``number`` to this node's ranks of session ``run_id`` (the payload, resolved by Ray)."""
         call = self._call_of(run_id)
-        if call is not None and call.session_pipes is not None:
-            call.session_pipes.send_cell(number, payload)
+        if call is None or call.session_pipes is None:  # the caller must know: its cell runs nowhere here
+            raise RuntimeError(f"no session {run_id} on this node (it ended)")
+        call.session_pipes.send_cell(number, payload)
 
     def end_session(self, run_id: str) -> None:
         call = self._call_of(run_id)
@@ -276,22 +277,25 @@ class NodeCall:
         self.emit = functools.partial(emit, self.run_id)
         self.log_root = log_root
         self.run_dir = private_files.private_tempdir(self.run_id)
+        self.selector = selectors.DefaultSelector()
+        self.session_pipes: SessionPipes | None = None  # a persistent session's line to its ranks here
         try:
             self.metrics_dir = os.path.join(self.run_dir, METRICS_FOLDER)
             os.mkdir(self.metrics_dir, 0o700)
             self._write_call_files(payload)
+            if spec.get("session"):
+                self.session_pipes = SessionPipes(self.run_dir, spec["ranks"])
+                for fd in self.session_pipes.open():  # before the ranks start: they open them
+                    self.selector.register(fd, selectors.EVENT_READ, ("channel", None))
         except BaseException:
+            if self.session_pipes is not None:
+                self.session_pipes.close()
+            self.selector.close()
             shutil.rmtree(self.run_dir, ignore_errors=True)
             raise
         self.started = False  # every rank is started (or the start ended): the watchdog may act
         self.ranks: list[RankSlot] = []
-        self.selector = selectors.DefaultSelector()
         self.pipes = RankPipes(self.selector, self._output)
-        self.session_pipes: SessionPipes | None = None  # a persistent session's line to its ranks here
-        if spec.get("session"):
-            self.session_pipes = SessionPipes(self.run_dir, spec["ranks"])
-            for fd in self.session_pipes.open():  # before the ranks start: they open them
-                self.selector.register(fd, selectors.EVENT_READ, ("channel", None))
         self.tracker = DescendantTracker()
         self.lifeline_w: int | None = None
         self.finished = False
@@ -459,10 +463,7 @@ class NodeCall:
         """SIGINT to these ranks of a session (a cell's interrupt), skipping any that has ended."""
         for r in list(self.ranks):
             if r.rank in ranks and r.exit_code is None and r.dead_since is None:
-                try:
-                    os.kill(r.proc.pid, signal.SIGINT)
-                except ProcessLookupError:
-                    pass
+                send_signal(r, signal.SIGINT)
 
     def _output(self, rank: int, stream: str, data: bytes) -> None:
         self.emit(("out", rank, stream, data))
