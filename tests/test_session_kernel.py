@@ -34,7 +34,14 @@ CELLS = [
     "import json, ipywidgets\nfrom ipywidgets.widgets.widget import _instances\n"
     "print(json.dumps([w.value for w in list(_instances.values()) if isinstance(w, ipywidgets.HTML)]))\n"
     "print(model)",
-    "%distributed session stop",
+    ("%%distributed --timeout 2\nimport time\nprint('waiting', flush=True)\ntime.sleep(60)", "raises"),
+    "%%distributed\nmodel['steps']",
+    (
+        "%%distributed\nimport os, signal, time\nif os.environ['RANK'] == '1':\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\ntime.sleep(60)",
+        "raises",
+    ),
+    "%distributed session status\n%distributed session stop",
 ]
 
 
@@ -48,7 +55,7 @@ def _text(cell: object) -> str:
     return "".join(o.get("text", "") for o in cell.outputs)  # type: ignore[attr-defined]
 
 
-def test_a_notebook_keeps_state_in_its_session_through_a_failing_cell(tmp_path):
+def test_a_notebook_session_through_a_failing_cell_a_timeout_and_a_dead_rank(tmp_path):
     nb = nbformat.v4.new_notebook(cells=[_cell(c) for c in CELLS])
     notebook_client(nb, timeout=180, path=tmp_path).execute()
     code = nb.cells
@@ -67,7 +74,18 @@ def test_a_notebook_keeps_state_in_its_session_through_a_failing_cell(tmp_path):
     headers = json.loads(_text(code[8]).splitlines()[0])
     assert any("cell 4;" in h and "rank 1 (pid" in h for h in headers), headers  # the session, in the header
     assert "{'rank': 0, 'steps': 2}" in _text(code[8])
-    assert "stopped; every rank is gone" in _text(code[9])
+    # A cell that hangs hits its timeout: the ranks' last lines and stacks; interrupted; the session goes on
+    error = next(o for o in code[9].outputs if o["output_type"] == "error")
+    assert error["ename"] == "DistributedTimeoutError" and "goes on" in error["evalue"], error
+    assert "waiting" in error["evalue"] and "stacks.txt" in error["evalue"]
+    assert code[10].outputs[-1]["data"]["text/plain"] == "[2, 2]"
+    # A rank that dies ends the session with a clear message; nothing is left
+    error = next(o for o in code[11].outputs if o["output_type"] == "error")
+    assert error["ename"] == "SessionEndedError", error
+    assert "rank 1" in error["evalue"] and "SIGKILL" in error["evalue"] and "session start" in error["evalue"]
+    ended = _text(code[12])
+    assert ": ended, 2 rank(s)" in ended and "SIGKILL" in ended, ended
+    assert "no session is running" in ended
 
 
 def _wait_for_pids(kernel: Kernel, msg_id: str, count: int) -> list[int]:
