@@ -25,13 +25,13 @@ import json
 import os
 import platform
 import queue
-import random
 import statistics
 import sys
 import tempfile
 import time
 
 from jupyter_client.manager import start_new_kernel
+from stats import median_interval  # benchmarks/stats.py: scripts run as python benchmarks/x.py
 
 SETUP = r"""
 import json, os, time, air_magic
@@ -87,12 +87,6 @@ def _run(kc, code: str, timeout: float = 600) -> str:
             raise SystemExit("\n".join(msg["content"]["traceback"]))
         elif kind == "status" and msg["content"]["execution_state"] == "idle":
             return "".join(printed)
-
-
-def _interval(values: list[float], rounds: int = 2000) -> tuple[float, float]:
-    rng = random.Random(0)
-    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(rounds))
-    return medians[int(0.05 * rounds)], medians[int(0.95 * rounds) - 1]
 
 
 def main() -> None:
@@ -155,7 +149,7 @@ def main() -> None:
     print(f"command: {' '.join([os.path.basename(sys.executable), *sys.argv])}")
     print(f"{'way':<16} {'median ms':>10} {'90% interval':>18} {'p90 ms':>8}")
     for way, values in took.items():
-        low, high = _interval(values)
+        low, high = median_interval(values)
         p90 = sorted(values)[int(0.9 * len(values)) - 1]
         median = statistics.median(values)
         print(f"{way:<16} {median * 1e3:>10.1f} {low * 1e3:>8.1f}-{high * 1e3:<8.1f} {p90 * 1e3:>8.1f}")

@@ -14,22 +14,17 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import random
 import statistics
 import sys
 import time
+
+from stats import median_interval  # benchmarks/stats.py: scripts run as python benchmarks/x.py
 
 import air_magic
 
 
 def trivial() -> int:
     return 1
-
-
-def _interval(values: list[float], rounds: int = 2000) -> tuple[float, float]:
-    rng = random.Random(0)
-    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(rounds))
-    return medians[int(0.05 * rounds)], medians[int(0.95 * rounds) - 1]
 
 
 def main() -> None:
@@ -61,7 +56,7 @@ def main() -> None:
     )
     print(f"command: {' '.join([os.path.basename(sys.executable), *sys.argv])}")
     for way, values in took.items():
-        low, high = _interval(values)
+        low, high = median_interval(values)
         print(
             f"{way:<14} median {statistics.median(values) * 1e3:8.2f} ms  [{low * 1e3:.2f}, {high * 1e3:.2f}]"
         )

@@ -13,8 +13,8 @@ import os
 import signal
 import time
 
-import psutil
 import pytest
+from conftest import gone_within
 
 pytest.importorskip("IPython")
 from IPython.core.error import UsageError
@@ -51,12 +51,7 @@ def session(ip, request):
 
 
 def _gone(pids, wait_s=10.0):
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        if not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
-            return True
-        time.sleep(0.05)
-    return False
+    return gone_within(pids, wait_s)
 
 
 def test_ranks_keep_their_globals_and_process_group_across_cells(ip, session):
