@@ -149,3 +149,18 @@ def test_the_tracking_extras_follow_the_store_and_an_explicit_list(monkeypatch):
         assert warm.tracking_preload() == expected, uri
     monkeypatch.setenv("AIR_MAGIC_PRELOAD", "torch")
     assert warm.tracking_preload() == []  # the user's list is the whole list
+
+
+def test_a_starter_still_importing_exits_when_its_caller_goes(tmp_path, monkeypatch):
+    """A kernel shut down while its starter imports torch leaves no starter behind (no orphan)."""
+    (tmp_path / "slow_preload.py").write_text("import time\ntime.sleep(60)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    starter = warm.Starter(["slow_preload"])
+    try:
+        assert not starter.is_ready(wait_s=1.0)  # importing: the watcher is what runs now
+        starter.sock.close()  # the caller is gone (no close(): a killed kernel calls nothing)
+        assert starter.proc.wait(timeout=20) == 0
+    finally:
+        if starter.proc.poll() is None:
+            starter.proc.kill()
+            starter.proc.wait()

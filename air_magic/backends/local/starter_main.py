@@ -27,16 +27,20 @@ only inherit them, and the caller rebuilds the starter when a call needs others.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib
 import io
 import json
 import os
+import select
 import selectors
 import signal
 import socket
 import sys
+import threading
 import traceback
+from collections.abc import Iterator
 from typing import Any, NoReturn
 
 from air_magic.protocol import env_names
@@ -54,12 +58,13 @@ def main(control_fd: int, preload: list[str]) -> None:
 
     install_exit_hook()
     loaded, failed = [], {}
-    for name in preload:
-        try:
-            importlib.import_module(name)
-            loaded.append(name)
-        except Exception as exc:  # noqa: BLE001 - report it; the ranks import it themselves
-            failed[name] = repr(exc)
+    with _exit_if_caller_leaves(sock):
+        for name in preload:
+            try:
+                importlib.import_module(name)
+                loaded.append(name)
+            except Exception as exc:  # noqa: BLE001 - report it; the ranks import it themselves
+                failed[name] = repr(exc)
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():  # pragma: no cover - a preload touched CUDA
         _send(sock, {"error": "a preloaded module initialised CUDA; forked ranks would inherit it"})
@@ -106,6 +111,33 @@ def main(control_fd: int, preload: list[str]) -> None:
             children.add(pid)
             _send(sock, {"spawned": pid})
         _reap(sock, children)
+
+
+@contextlib.contextmanager
+def _exit_if_caller_leaves(sock: socket.socket) -> Iterator[None]:
+    """While the preload runs (seconds: torch), exit as soon as the caller is gone.
+
+    The main loop notices a caller's end only once the preload is over; a kernel shut down
+    right after it started its starter would otherwise leave it importing torch on its own.
+    The caller sends nothing before ``ready``, so anything readable is the EOF. The watcher
+    is stopped and joined before the first fork (a fork must not carry a stray thread).
+    """
+    stop_r, stop_w = os.pipe()
+
+    def watch() -> None:
+        readable, _, _ = select.select([sock.fileno(), stop_r], [], [])
+        if stop_r not in readable:
+            os._exit(0)  # nothing of ours to flush or join yet: no rank was started
+
+    watcher = threading.Thread(target=watch, name="air_magic-caller-watch", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        os.write(stop_w, b"x")
+        watcher.join()
+        os.close(stop_r)
+        os.close(stop_w)
 
 
 def _keep_preload_finalizers_from_exit() -> None:
