@@ -29,6 +29,20 @@ def pytest_configure(config: pytest.Config) -> None:
     libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
 
+def _on_the_ray_cluster(item: pytest.Item) -> bool:
+    if "ray_cluster" in getattr(item, "fixturenames", ()):
+        return True
+    callspec = getattr(item, "callspec", None)  # the contract suite's Ray backends ask for it late
+    return callspec is not None and str(callspec.params.get("backend", "")).startswith("ray")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The tests on the Ray cluster run last, in their files' order: one cluster serves them all.
+
+    Starting it takes 20 s; once up, its processes would be running beside every other test."""
+    items[:] = [i for i in items if not _on_the_ray_cluster(i)] + [i for i in items if _on_the_ray_cluster(i)]
+
+
 # Every test of these files is slow (an MLflow store or server, or a subprocess first importing
 # MLflow: 1-30 s a test); their own tests carry no marker. Other slow tests are marked where they
 # are written (@pytest.mark.slow, or pytestmark for a whole file).
@@ -258,13 +272,14 @@ def interrupt_tracked_caller(folder: Path, metrics_per_rank: int = 0) -> tuple[s
     return proc.communicate(timeout=60)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def ray_cluster():
     """A real Ray cluster of 3 nodes on this machine, one fake GPU each (placement spreads ranks
     over nodes; the ranks run on the CPU with gloo, as no node has an NVIDIA driver). Loopback only.
 
-    One per test module, gone before the next module: a connected driver holds sockets and Ray's
-    processes are this process's children, which the other modules' tests would count as theirs."""
+    One for the whole run: the tests that use it run last (pytest_collection_modifyitems), as a
+    connected driver holds sockets and Ray's processes are this process's children, which the
+    other tests would count as theirs. A test that takes a node away puts one back."""
     # Before Ray is imported (it reads them then): every listener and address on 127.0.0.1 (NOTES.md).
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"

@@ -66,7 +66,8 @@ def _statuses(experiment: str) -> list[str]:
 )
 def test_an_interrupt_during_the_first_import_of_mlflow_breaks_no_later_call(store):
     landed = []
-    for delay in ("0.05", "0.3", "0.6", "1.0"):  # importing mlflow takes 1.5 s or more here
+    # Importing mlflow takes 1.5 s or more here: before the import starts, and well within it.
+    for delay in ("0.05", "0.6"):
         report = _run_helper("early_interrupt_caller.py", delay)
         assert report["outcomes"] == ["interrupted"], (delay, report)
         assert report["error"] is None, (delay, report)
