@@ -71,11 +71,15 @@ def test_ranks_keep_their_globals_and_process_group_across_cells(ip, session):
         "dist.is_initialized()",
     )
     assert values == [True, True]
+    # ... and one unlike the session's is kept too, with a warning that says so
+    values, out = cell(ip, "dist.init_process_group('nccl', timeout=None)\ndist.get_backend()")
+    assert values == ["gloo", "gloo"]
+    assert "init_process_group(backend='nccl') kept the session's process group" in out.stderr
     values, _ = cell(ip, "rank")
     assert values == [0, 1]
     assert [session._pids[r] for r in range(2)] == pids  # the same processes throughout
     _, out = line(ip, "session status")
-    assert f"session {session.id}: ready, 2 rank(s), 4 cell(s) run" in out.stdout
+    assert f"session {session.id}: ready, 2 rank(s), 5 cell(s) run" in out.stdout
     assert "resident" in out.stdout
 
 

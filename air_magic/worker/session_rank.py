@@ -30,6 +30,7 @@ import linecache
 import os
 import signal
 import sys
+import warnings
 from typing import Any
 
 import psutil
@@ -164,6 +165,7 @@ def _set_up_torch() -> None:
     def init_once(*args: Any, **kwargs: Any) -> None:
         """In a session: the session's group is up already; a second set-up would fail."""
         if dist.is_initialized():
+            _say_what_is_kept(dist.get_backend(), args, kwargs)
             return None
         return original_init(*args, **kwargs)
 
@@ -176,6 +178,24 @@ def _set_up_torch() -> None:
     for module in (dist, c10d):
         module.init_process_group = init_once  # type: ignore[attr-defined]
         module.destroy_process_group = destroy_at_the_end  # type: ignore[attr-defined]
+
+
+def _say_what_is_kept(backend: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Warn when a cell asks for a group unlike the session's: it gets the session's, silently not."""
+    asked = args[0] if args else kwargs.get("backend")
+    differs = []
+    if asked is not None and str(asked).lower() != backend:
+        differs.append(f"backend={asked!r}")
+    if kwargs.get("timeout") is not None:
+        differs.append("timeout")
+    if differs:
+        warnings.warn(
+            f"init_process_group({', '.join(differs)}) kept the session's process group "
+            f"(backend {backend!r}, torch's default timeout, set up when the session started); "
+            "a one-off call, outside the session, sets up the group its code asks for.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def _end_torch() -> None:
