@@ -383,8 +383,10 @@ def test_a_killed_raylet_takes_its_ranks_with_it(cluster, tmp_path):
         with pytest.raises(RankFailedError, match="was lost during the call"):
             box["result"].unwrap()
     finally:
-        cluster.remove_node(node, allow_graceful=False)
-        _add_node_back(cluster)
+        try:
+            cluster.remove_node(node, allow_graceful=False)
+        finally:
+            _add_node_back(cluster)  # the cluster serves the rest of the run: three nodes again
 
 
 def test_rank_metrics_reach_the_tracked_run_through_the_agents(cluster, store):

@@ -72,9 +72,15 @@ def test_ranks_keep_their_globals_and_process_group_across_cells(ip, session):
     )
     assert values == [True, True]
     # ... and one unlike the session's is kept too, with a warning that says so
-    values, out = cell(ip, "dist.init_process_group('nccl', timeout=None)\ndist.get_backend()")
+    values, out = cell(
+        ip,
+        "dist.init_process_group('nccl', timeout=None)\nimport air_magic\n"
+        "air_magic.init_process_group(timeout=30)\ndist.init_process_group('cpu:gloo')\ndist.get_backend()",
+    )
     assert values == ["gloo", "gloo"]
-    assert "init_process_group(backend='nccl') kept the session's process group" in out.stderr
+    assert ":1: RuntimeWarning: init_process_group(backend='nccl') kept the session's" in out.stderr
+    assert ":3: RuntimeWarning: init_process_group(timeout) kept the session's" in out.stderr
+    assert out.stderr.count("kept the session's process group") == 4  # 2 ranks; 'cpu:gloo' is gloo
     values, _ = cell(ip, "rank")
     assert values == [0, 1]
     assert [session._pids[r] for r in range(2)] == pids  # the same processes throughout
@@ -233,18 +239,21 @@ def test_one_mlflow_run_per_session_with_a_step_per_cell(ip, tmp_path):
         with pytest.raises(NameError):
             cell(ip, "undefined_name")
         run_id = started.record.run_id
+        # A rank dies mid-cell: the session ends, and that cell's step is in the run all the same.
+        with pytest.raises(persistent.SessionEndedError):
+            cell(ip, "import os, signal\nif os.environ['RANK'] == '1': os.kill(os.getpid(), signal.SIGKILL)")
     finally:
         started.stop(quiet=True)
     client = MlflowClient(embedded_mlflow_uri())
     run = client.get_run(run_id)
-    assert run.info.status == "FINISHED"
+    assert run.info.status == "FAILED"  # a rank of the session died
     assert run.data.tags["air_magic.kind"] == "session"
-    assert run.data.tags["air_magic.cells"] == "2"
+    assert run.data.tags["air_magic.cells"] == "3"
     assert run.data.metrics["loss"] == 1.5  # what the ranks log goes into the session's run
     steps = [(m.step, m.value) for m in client.get_metric_history(run_id, "air_magic.cell_succeeded")]
-    assert sorted(steps) == [(1, 1.0), (2, 0.0)]
+    assert sorted(steps) == [(1, 1.0), (2, 0.0), (3, 0.0)]
     artifacts = [a.path for a in client.list_artifacts(run_id, "cells")]
-    assert artifacts == ["cells/cell-0001.py", "cells/cell-0002.py"]
+    assert artifacts == ["cells/cell-0001.py", "cells/cell-0002.py", "cells/cell-0003.py"]
 
 
 def test_a_rank_killed_between_cells_is_reported_at_the_next_cell(ip, session):

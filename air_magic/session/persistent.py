@@ -90,6 +90,7 @@ class _Cell:
     interrupted: list[int] = field(default_factory=list)
     records: dict[int, Any] = field(default_factory=dict)  # rank -> its ErrorRecord (None: unreadable)
     results: dict[int, bytes] = field(default_factory=dict)  # rank -> its pickled value
+    logged: bool = False  # its MLflow step is queued (at its end, or as the session ended under it)
 
 
 def active() -> Session | None:
@@ -539,8 +540,7 @@ class Session:
                 failed_rank=failed_rank,
             )
         )
-        if cell.number:
-            self._track_cell_end(cell.number, outcome, time.monotonic() - cell.started)
+        self._log_step_once(cell, outcome)
 
     def _drain_queue(self, cell: _Cell) -> None:
         if self._thread is not None:
@@ -675,8 +675,12 @@ class Session:
         elif isinstance(event, Tick):
             return  # the cell's own ticks come from the caller's thread
         with self._lock:
-            following = self._current is not None
-        if following or isinstance(event, (RankExited, RunFinished)):
+            current = self._current
+        if isinstance(event, RunFinished) and current is not None:
+            # The session ends under a cell: its step goes in before the run's end (queued next,
+            # on this thread), which the cell's own end, on the caller's thread, comes after.
+            self._log_step_once(current, "failed")
+        if current is not None or isinstance(event, (RankExited, RunFinished)):
             self._queue.put(("event", event))
 
     def connect(self, sender: CellSender) -> None:
@@ -747,13 +751,18 @@ class Session:
             )
         )
 
-    def _track_cell_end(self, number: int, outcome: str, seconds: float) -> None:
+    def _log_step_once(self, cell: _Cell, outcome: str) -> None:
         """One step per cell in the session's run: how long it took and whether it succeeded."""
+        with self._lock:
+            if cell.logged or not cell.number:
+                return
+            cell.logged = True
         tracked = self._tracked()
         if tracked is None:
             return
+        seconds = time.monotonic() - cell.started
         tracked.jobs.put(
-            functools.partial(_log_cell, tracked.client, tracked.run_id, number, outcome, seconds)
+            functools.partial(_log_cell, tracked.client, tracked.run_id, cell.number, outcome, seconds)
         )
 
 

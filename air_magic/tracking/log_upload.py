@@ -112,8 +112,8 @@ def _copy(src: int, out: int, offset: int, left: int) -> None:
             done = copy_range(src, out, min(left, 1 << 30), offset)
         except OSError:  # another filesystem on an old kernel, a special file: copy by hand
             break
-        if done == 0:  # the source is shorter than it was: nothing more to send
-            return
+        if done == 0:  # the end of the source, or a filesystem that copies nothing this way
+            break
         offset += done
         left -= done
     while left > 0 and (chunk := os.pread(src, min(_CHUNK, left), offset)):

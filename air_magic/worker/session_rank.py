@@ -165,7 +165,9 @@ def _set_up_torch() -> None:
     def init_once(*args: Any, **kwargs: Any) -> None:
         """In a session: the session's group is up already; a second set-up would fail."""
         if dist.is_initialized():
-            _say_what_is_kept(dist.get_backend(), args, kwargs)
+            asked = args[0] if args else kwargs.get("backend")
+            timeout = args[2] if len(args) > 2 else kwargs.get("timeout")
+            say_what_is_kept(asked, timeout, stacklevel=2)
             return None
         return original_init(*args, **kwargs)
 
@@ -180,13 +182,20 @@ def _set_up_torch() -> None:
         module.destroy_process_group = destroy_at_the_end  # type: ignore[attr-defined]
 
 
-def _say_what_is_kept(backend: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Warn when a cell asks for a group unlike the session's: it gets the session's, silently not."""
-    asked = args[0] if args else kwargs.get("backend")
+def say_what_is_kept(asked: Any, timeout: Any, stacklevel: int) -> None:
+    """In a session, warn when a cell asks for a group unlike the session's: it gets the session's.
+
+    ``stacklevel`` counts from the caller of this function (the cell's call is the usual target)."""
+    if not _torch_group:
+        return
+    import torch.distributed as dist
+
+    backend = str(dist.get_backend())
     differs = []
-    if asked is not None and str(asked).lower() != backend:
+    # 'gloo', 'cpu:gloo,cuda:nccl': the same when they name the session's backends, devices aside
+    if asked is not None and _backend_names(str(asked)) != _backend_names(backend):
         differs.append(f"backend={asked!r}")
-    if kwargs.get("timeout") is not None:
+    if timeout is not None:
         differs.append("timeout")
     if differs:
         warnings.warn(
@@ -194,8 +203,12 @@ def _say_what_is_kept(backend: str, args: tuple[Any, ...], kwargs: dict[str, Any
             f"(backend {backend!r}, torch's default timeout, set up when the session started); "
             "a one-off call, outside the session, sets up the group its code asks for.",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=stacklevel + 1,
         )
+
+
+def _backend_names(spec: str) -> set[str]:
+    return {part.split(":")[-1].strip() for part in spec.lower().split(",")}
 
 
 def _end_torch() -> None:

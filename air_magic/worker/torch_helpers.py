@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 from typing import Any
 
 from air_magic.protocol import env_names
@@ -50,4 +51,7 @@ def init_process_group(
         device = torch.device("cpu")
     if not dist.is_initialized():
         dist.init_process_group(backend or ("nccl" if on_gpu else "gloo"), **kwargs)
+    elif (session_rank := sys.modules.get("air_magic.worker.session_rank")) is not None:
+        # In a session (only there does it warn) the session's group is kept, whatever is asked.
+        session_rank.say_what_is_kept(backend, kwargs.get("timeout"), stacklevel=2)
     return device

@@ -125,8 +125,10 @@ def _exit_if_caller_leaves(sock: socket.socket) -> Iterator[None]:
     stop_r, stop_w = os.pipe()
 
     def watch() -> None:
-        readable, _, _ = select.select([sock.fileno(), stop_r], [], [])
-        if stop_r not in readable:
+        poller = select.poll()  # not select(): the inherited fd may be numbered past 1023
+        poller.register(sock.fileno(), select.POLLIN)
+        poller.register(stop_r, select.POLLIN)
+        if stop_r not in [fd for fd, _ in poller.poll()]:
             os._exit(0)  # nothing of ours to flush or join yet: no rank was started
 
     watcher = threading.Thread(target=watch, name="air_magic-caller-watch", daemon=True)
