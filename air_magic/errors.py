@@ -16,6 +16,11 @@ Every error the package raises on purpose is defined here::
 When a rank raises, the caller re-raises the *original* exception type when it
 can be unpickled (loky's approach), with the rank's formatted traceback as its
 ``__cause__`` so a notebook shows the rank's frames, and a note naming the rank.
+
+Every error here survives a pickle round trip (a detached run's result travels to
+whoever attaches as a pickle): :meth:`AirMagicError.__reduce__` rebuilds it without
+calling ``__init__`` (whose keyword-only arguments plain pickling cannot pass), with
+its attributes, notes and a rank's traceback (``__cause__``) kept.
 """
 
 from __future__ import annotations
@@ -31,7 +36,27 @@ class AirMagicError(Exception):
         if isinstance(self.__cause__, RemoteTraceback):
             lines += [*self.__cause__.text.splitlines(), ""]
         lines += f"{type(self).__name__}: {self}".splitlines()
+        lines += [str(n) for n in getattr(self, "__notes__", ())]
         return lines
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # BaseException's own reduce calls ``type(*args)``: an error with keyword-only
+        # arguments (RankFailedError, DistributedTimeoutError) could not be rebuilt, and a
+        # detached run's follower died reading its result. The cause travels only when it is
+        # a rank's traceback (text); any other cause may not be picklable.
+        cause = self.__cause__ if isinstance(self.__cause__, RemoteTraceback) else None
+        return (_rebuild_error, (type(self), self.args, dict(self.__dict__), cause))
+
+
+def _rebuild_error(
+    cls: type[AirMagicError], args: tuple[object, ...], state: dict[str, object], cause: BaseException | None
+) -> AirMagicError:
+    err = cls.__new__(cls, *args)
+    err.args = args
+    err.__dict__.update(state)
+    if cause is not None:
+        err.__cause__ = cause
+    return err
 
 
 class ConfigurationError(AirMagicError, ValueError):

@@ -242,3 +242,71 @@ def _sleeps():
     import time
 
     time.sleep(600)
+
+
+class _NeedsKeywords(Exception):
+    def __init__(self, message, *, step):
+        super().__init__(message)
+        self.step = step
+
+
+def _fails(how):
+    import os
+    import signal
+    import time
+
+    if int(os.environ["RANK"]) == 1:
+        if how == "signal":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if how == "interrupt":
+            raise KeyboardInterrupt
+        if how == "keywords":
+            raise _NeedsKeywords("bad batch", step=3)
+    if how == "timeout":
+        time.sleep(600)
+    return 0
+
+
+@fault(
+    "a detached run fails (timeout, a rank SIGKILLed, KeyboardInterrupt, an exception with keyword-only "
+    "arguments)",
+    "its handle and a later attach() raise the failure; nothing waits for ever",
+)
+@pytest.mark.parametrize(
+    "how, error, said",
+    [
+        ("timeout", air_magic.DistributedTimeoutError, "timed out after 3 s"),
+        ("signal", air_magic.RankFailedError, "killed by SIGKILL"),
+        ("interrupt", air_magic.RankFailedError, "raised KeyboardInterrupt"),
+        ("keywords", Exception, "bad batch"),
+    ],
+)
+def test_a_failed_detached_run_is_collected_by_its_handle_and_by_attach(how, error, said):
+    timeout = 3 if how == "timeout" else None
+    settings = dict(num_accelerators=2, display="none", tracking=False, detach=True, timeout=timeout)
+    fn = air_magic.distributed(**settings)(_fails)
+    handle = fn.distributed_async(how)
+    with pytest.raises(error, match=said) as raised:
+        handle.result(timeout=120)
+    assert handle.status == ("timeout" if how == "timeout" else "failed")
+    again = air_magic.attach(handle.detached_id, display="none")  # as another kernel would
+    with pytest.raises(type(raised.value), match=said) as reraised:
+        again.result(timeout=15)
+    assert reraised.value.__dict__.keys() == raised.value.__dict__.keys()
+    if how == "timeout":
+        assert raised.value.still_running == reraised.value.still_running == [0, 1]
+
+
+@fault(
+    "a detached run's result cannot be read by a follower (a class it cannot load)",
+    "the handle ends with an error that says so; it does not wait for ever",
+)
+def test_a_result_a_follower_cannot_load_ends_its_handle_with_a_clear_error(tmp_path):
+    fn = air_magic.distributed(num_accelerators=1, display="none", tracking=False, detach=True)(lambda: 1)
+    handle = fn.distributed_async()
+    assert handle.result(timeout=120) == [1]
+    (run,) = [r for r in air_magic.runs() if r.id == handle.detached_id]
+    Path(run.folder, "result.pkl").write_bytes(b"\x80\x05cno_such_module\nThing\n.")
+    again = air_magic.attach(run.id, display="none")
+    with pytest.raises(LaunchError, match="could not be read here: ModuleNotFoundError"):
+        again.result(timeout=15)

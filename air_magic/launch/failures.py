@@ -14,7 +14,7 @@ import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from air_magic.errors import RankFailedError, RemoteTraceback, add_note
+from air_magic.errors import AirMagicError, RankFailedError, RemoteTraceback, add_note
 from air_magic.protocol import serialization
 from air_magic.protocol.wire import ErrorRecord
 
@@ -72,7 +72,8 @@ def build_exception(
         add_note(exc, extra[-1])
     _set(exc, "air_magic_failures", summary)
     rendered = getattr(exc, "_render_traceback_", None)
-    if rendered is not None and extra:
+    # Our own errors render their notes themselves (and must pickle without a lambda on them).
+    if rendered is not None and extra and not isinstance(exc, AirMagicError):
         lines = rendered()
         _set(exc, "_render_traceback_", lambda: [*lines, *extra])
     return exc

@@ -361,7 +361,11 @@ def _follow(folder: str, displays: list[Any], on_result: Any, more: Sequence[Any
                 if event is None and not _supervisor_alive(folder):
                     gone = True
         caught_up.set()
-        handle._finish(*_outcome(folder, finished))
+        try:
+            outcome = _outcome(folder, finished)
+        except Exception as exc:  # noqa: BLE001 - a follower never dies with its handle unfinished
+            outcome = (None, LaunchError(f"following detached run {handle.detached_id} failed: {exc!r}"))
+        handle._finish(*outcome)
 
     start_in_context(follow, f"air_magic-follow-{name}")
     _followed.append(handle)
@@ -412,7 +416,14 @@ def _outcome(folder: str, finished: RunFinished | None) -> tuple[RunResult | Non
             f"(pid {supervisor[0] if supervisor else '?'}) ended without a result; its ranks ended "
             f"with it (they die with their supervisor). Its log: {os.path.join(folder, SUPERVISOR_LOG)}"
         )
-    result: RunResult = serialization.loads(data)
+    try:
+        result: RunResult = serialization.loads(data)
+    except Exception as exc:  # noqa: BLE001 - the handle must end, and say why it has no result
+        state = _read_state(folder) or {}
+        return None, LaunchError(
+            f"detached run {state.get('id', folder)} ended ({state.get('status', '?')}), but its result "
+            f"could not be read here: {type(exc).__name__}: {exc}. Its logs: {state.get('log_dir')}"
+        )
     return result, None
 
 

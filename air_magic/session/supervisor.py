@@ -115,6 +115,29 @@ def _supervise(folder: str) -> int:
     return 0
 
 
+def _kept_as_text(result: RunResult, exc: Exception) -> RunResult:
+    """``result`` as something that surely pickles: its error as text (its type, message and
+    rank's traceback), or, for values that cannot travel, an error that says so."""
+    from air_magic.errors import PayloadError, RankFailedError, RemoteTraceback
+
+    error = result.error
+    if error is None:
+        kept: BaseException = PayloadError(
+            f"the run ended ({result.outcome}) but its result could not be kept: {exc}"
+        )
+        return RunResult(result.run_id, result.log_dir, "failed", error=kept)
+    cause = error.__cause__ if isinstance(error.__cause__, RemoteTraceback) else None
+    kept = RankFailedError(
+        f"{type(error).__module__}.{type(error).__qualname__}: {error}\n"
+        f"(the exception itself could not be kept for whoever attaches: {exc})",
+        rank=getattr(error, "air_magic_rank", getattr(error, "rank", -1)),
+        log_dir=result.log_dir,
+        remote_traceback=cause.text if cause is not None else None,
+    )
+    kept.__cause__ = cause
+    return RunResult(result.run_id, result.log_dir, result.outcome, error=kept)
+
+
 class _RecordInState:
     """Puts the call's MLflow run (which exists before the first event) in state.json for attaches."""
 
@@ -135,11 +158,9 @@ class _RecordInState:
 def _write_result(folder: str, result: RunResult) -> None:
     try:
         data = serialization.dumps(result)
+        serialization.loads(data)  # what a follower will do: an error that pickles may not load
     except Exception as exc:  # noqa: BLE001 - a value that cannot be pickled again: say so
-        from air_magic.errors import PayloadError
-
-        error = PayloadError(f"the run ended ({result.outcome}) but its result could not be kept: {exc}")
-        data = serialization.dumps(RunResult(result.run_id, result.log_dir, "failed", error=error))
+        data = serialization.dumps(_kept_as_text(result, exc))
     wire.write_atomically(os.path.join(folder, detached.RESULT), data)
 
 
