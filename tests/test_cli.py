@@ -339,3 +339,55 @@ def test_cancel_stops_a_detached_run(project, tmp_path):
     assert cancelled.returncode == 0 and "cancelled; every rank is gone" in cancelled.stdout, cancelled.stderr
     row = invoke("runs", cwd=project).stdout.split(run_id)[1].splitlines()[0]
     assert "cancelled" in row, row
+
+
+def _in_a_mount_namespace() -> list[str] | None:
+    """How to run a shell in a mount namespace of its own (a tmpfs mounted there is seen by it
+    alone, and gone with it); None where this machine allows neither way."""
+    for prefix in (["unshare", "--mount"], ["unshare", "--user", "--map-root-user", "--mount"]):
+        try:
+            tried = subprocess.run([*prefix, "true"], capture_output=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if tried.returncode == 0:
+            return prefix
+    return None
+
+
+@pytest.mark.fault(
+    "the log folder's disk fills up while ranks print (a 256 KiB tmpfs, 2 x 20 000 lines)",
+    "one line per rank says its log is cut short; every line is still shown; the call succeeds; "
+    "run.json and `air-magic runs` say succeeded",
+)
+def test_a_full_log_disk_cuts_the_log_and_nothing_else(project, tmp_path):
+    namespace = _in_a_mount_namespace()
+    if namespace is None:
+        pytest.skip("neither `unshare --mount` nor a user namespace is allowed here")
+    (project / "chatty.py").write_text(
+        "import os\nrank = os.environ['RANK']\nfor i in range(20000):\n    print(f'rank {rank} line {i}')\n"
+    )
+    logs = tmp_path / "small-disk"
+    logs.mkdir(mode=0o700)
+    program = " ".join(command())
+    shell = (
+        f"mount -t tmpfs -o size=256k,mode=0700 tmpfs {logs} || exit 99\n"
+        f"{program} run --no-tracking --log-dir {logs} -n 2 chatty.py > {tmp_path}/out 2> {tmp_path}/err\n"
+        f"echo $? > {tmp_path}/status\n"
+        f"{program} runs --log-dir {logs} > {tmp_path}/runs 2>&1\n"
+        f"cat {logs}/*/run.json > {tmp_path}/summary\n"
+    )
+    done = subprocess.run(
+        [*namespace, "sh", "-c", shell], cwd=project, env=environment(), capture_output=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    err = (tmp_path / "err").read_text()
+    assert (tmp_path / "status").read_text().strip() == "0", err
+    out = (tmp_path / "out").read_text().splitlines()
+    for rank in (0, 1):
+        shown = [line for line in out if line.startswith(f"[rank {rank}] rank {rank} line ")]
+        assert shown == [f"[rank {rank}] rank {rank} line {i}" for i in range(20000)], rank
+    cut = [line for line in err.splitlines() if "is cut short here (No space left on device)" in line]
+    assert 1 <= len(cut) <= 2, err  # once per rank whose log hit the end of the disk
+    assert "Traceback" not in err and "OSError" not in err, err
+    assert json.loads((tmp_path / "summary").read_text())["outcome"] == "succeeded"
+    assert "succeeded" in (tmp_path / "runs").read_text()

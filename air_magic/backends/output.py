@@ -12,6 +12,10 @@ them and hands each chunk to :class:`OutputRouter`, which
 2. emits a :class:`~air_magic.protocol.events.RankOutput` event with the decoded text;
 3. keeps the last lines of each rank for timeout and failure messages.
 
+A log that cannot be written (a full disk, a quota, a file-size limit) stops
+being written: one line in the rank's output says so, and the ranks, the live
+display and the call's outcome go on (docs/reliability.md).
+
 Log directories default to ``$XDG_STATE_HOME/air_magic/runs`` (usually
 ``~/.local/state/air_magic/runs``), one private folder per run; the newest
 :data:`KEEP_RUNS` are kept there. A log root that is not this user's alone is
@@ -124,6 +128,7 @@ class OutputRouter:
         }
         self._pending = {key: b"" for key in self._decoders}
         self.tails = [RankTail() for _ in range(world_size)]
+        self.unlogged: dict[int, str] = {}  # rank -> why its log is no longer written
 
     def log_path(self, rank: int) -> str:
         return paths.rank_log(self.log_dir, rank)
@@ -140,19 +145,36 @@ class OutputRouter:
         pending = self._pending[key]
         cut = data.rfind(b"\n") + 1
         if cut:  # the unfinished line before, then the chunk's whole lines: one write, no copy
-            _write_all(self._log_fds[rank], pending, memoryview(data)[:cut])
+            self._write(rank, pending, memoryview(data)[:cut])
             pending = data[cut:]
         else:
             pending += data
         if len(pending) > MAX_PARTIAL:  # a line that never ends: written in pieces
-            _write_all(self._log_fds[rank], pending)
+            self._write(rank, pending)
             pending = b""
         self._pending[key] = pending
+
+    def _write(self, rank: int, *parts: bytes | memoryview) -> None:
+        if rank in self.unlogged:
+            return
+        try:
+            _write_all(self._log_fds[rank], *parts)
+        except OSError as exc:  # a full disk must not end the training, nor hide its output
+            why = exc.strerror or str(exc)
+            self.unlogged[rank] = why
+            self._bus.emit(
+                RankOutput(
+                    rank=rank,
+                    stream="stderr",
+                    text=f"[air_magic] rank {rank}'s log {self.log_path(rank)} is cut short here ({why}): "
+                    "its output is still shown, but no longer kept\n",
+                )
+            )
 
     def close(self) -> None:
         for (rank, _stream), pending in self._pending.items():
             if pending:
-                _write_all(self._log_fds[rank], pending + b"\n")
+                self._write(rank, pending + b"\n")
         for (rank, stream), decoder in self._decoders.items():
             rest = decoder.decode(b"", final=True)
             if rest:

@@ -91,10 +91,34 @@ def _write_summary(info: RunInfo) -> None:
     # and the outcome is "running", the log folder is never pruned (backends/output.py).
     summary["owner"] = private_files.owner_tag()
     summary["rank_states"] = {str(rank): state for rank, state in info.rank_states.items()}
+    if summary["error"] and len(summary["error"]) > _ERROR_ROOM:
+        summary["error"] = summary["error"][:_ERROR_ROOM] + " [...]"
+    data = json.dumps(summary).encode()
+    data = data.ljust(SUMMARY_ROOM)  # JSON allows the trailing spaces
+    path = paths.run_summary(info.log_dir)
     try:
-        wire.write_atomically(paths.run_summary(info.log_dir), json.dumps(summary).encode())
+        wire.write_atomically(path, data)
+    except OSError:  # a full disk (the ranks' logs filled it): over the first version, in its room
+        _overwrite(path, data)
+
+
+SUMMARY_ROOM = 4096  # run.json's size: on a disk that filled up during the call, the end fits here
+_ERROR_ROOM = 1500
+
+
+def _overwrite(path: str, data: bytes) -> None:
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW)
     except OSError:  # a log folder that went away must not fail the call
+        return
+    try:
+        room = os.fstat(fd).st_size
+        if len(data) <= room:
+            os.pwrite(fd, data.ljust(room), 0)
+    except OSError:
         pass
+    finally:
+        os.close(fd)
 
 
 def read_summaries(log_root: str) -> list[dict[str, Any]]:
