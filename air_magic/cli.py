@@ -430,9 +430,29 @@ def _run_notebook(path: str, args: argparse.Namespace) -> int:
                     status = exit_status(error)
                 print(f"air-magic: cell {number} of {path} failed; exit status {status}", file=sys.stderr)
                 return status
+        return _wait_for_background_runs(path, stopped_by)
     finally:
         _restore(previous)
-    return 0
+
+
+def _wait_for_background_runs(path: str, stopped_by: list[int]) -> int:
+    """After the last cell, the background runs the notebook started run to their end, as its
+    reader expects (a kernel would have kept them going); the first failure sets the status."""
+    from air_magic.session import background
+
+    status = 0
+    for handle in background.running():
+        print(f"air-magic: {path} ended; waiting for background run {handle.name}", file=sys.stderr)
+        try:
+            error = handle.exception()
+        except KeyboardInterrupt:
+            background.cancel_all()
+            return SIGNALLED + (stopped_by[0] if stopped_by else signal.SIGINT)
+        if error is not None and status == 0:
+            status = exit_status(error)
+            _print_error(error)
+            print(f"air-magic: background run {handle.name} failed; exit status {status}", file=sys.stderr)
+    return status
 
 
 # SIGINT too, explicitly: a command started in the background by a script inherits SIGINT

@@ -259,3 +259,48 @@ def test_two_calls_wanting_different_starters_do_not_close_each_others(capfd):
     said = capfd.readouterr().err
     # Each call rebuilds at most once (before, each closed the other's starter every 0.2 s).
     assert said.count("restarting the warm starter") <= 2, said
+
+
+_SCRIPT_THAT_LEAVES = """
+import air_magic
+
+@air_magic.distributed(num_accelerators=2, display="none")
+def work():
+    import time
+    time.sleep(600)
+
+handle = work.distributed_async()
+{wait}
+print("the script ends")
+"""
+
+
+@fault(
+    "a script starts a background run and ends without waiting for it (at once, or once its ranks run)",
+    "one line says the run is stopped; no rank is left; run.json says interrupted; its MLflow run "
+    "is KILLED with the error tag",
+)
+@pytest.mark.parametrize("when", ["at-once", "running"])
+def test_a_scripts_end_stops_its_background_runs_with_a_line_and_a_killed_run(store, tmp_path, when):
+    import json
+    import subprocess
+    import sys
+
+    wait = "while handle.status != 'running':\n    __import__('time').sleep(0.05)"
+    wait = "" if when == "at-once" else wait
+    script = tmp_path / "leaves.py"
+    script.write_text(_SCRIPT_THAT_LEAVES.format(wait=wait))
+    logs = tmp_path / "logs"
+    env = {**__import__("os").environ, "AIR_MAGIC_LOG_DIR": str(logs)}
+    done = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert done.returncode == 0 and "the script ends" in done.stdout, done.stderr
+    said = [line for line in done.stderr.splitlines() if "background run work" in line]
+    assert len(said) == 1 and "is stopped" in said[0], done.stderr
+    assert "could not be imported" not in done.stderr, done.stderr
+    (summary_path,) = logs.glob("*/run.json")
+    summary = json.loads(summary_path.read_text())
+    assert summary["outcome"] == "interrupted" and summary["world_size"] == 2
+    run = store.get_run(summary["mlflow_run_id"])
+    assert run.info.status == "KILLED" and "stopped before it finished" in run.data.tags["air_magic.error"]

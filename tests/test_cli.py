@@ -391,3 +391,24 @@ def test_a_full_log_disk_cuts_the_log_and_nothing_else(project, tmp_path):
     assert "Traceback" not in err and "OSError" not in err, err
     assert json.loads((tmp_path / "summary").read_text())["outcome"] == "succeeded"
     assert "succeeded" in (tmp_path / "runs").read_text()
+
+
+def test_a_notebook_run_waits_for_the_background_runs_it_started(project):
+    pytest.importorskip("IPython")
+    _notebook(
+        project / "later.ipynb",
+        "%%distributed -n 2 --no-tracking --background --display text\n"
+        "import os, time\ntime.sleep(1)\nprint('finished on rank', os.environ['RANK'])",
+        "print('the last cell')",
+    )
+    done = invoke("run", "later.ipynb", cwd=project)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.index("the last cell") < done.stdout.index("[rank 1] finished on rank 1")
+    assert "waiting for background run" in done.stderr
+    _notebook(
+        project / "later-broken.ipynb",
+        "%%distributed -n 2 --no-tracking --background --display text\nimport time\ntime.sleep(1)\n"
+        "raise KeyError('late')",
+    )
+    broken = invoke("run", "later-broken.ipynb", cwd=project)
+    assert broken.returncode == 1 and "KeyError: 'late'" in broken.stderr, broken.stderr

@@ -13,9 +13,14 @@ raised on the caller's thread, before any handle existed)::
          call prints goes to the cell that started it, not to whichever cell runs now
       3. the handle: status, done(), result(timeout), cancel(), logs(rank), stacks();
          shown in a notebook as a live status line
-    cancel_all()   at interpreter exit (kernel shutdown or restart), from session/call.py:
-                   every background run stops as an interrupt would stop it, its MLflow
-                   run ends KILLED, and no rank outlives the kernel
+    cancel_all()   at interpreter exit (a kernel's shutdown or restart, a script's end): every
+                   background run stops as an interrupt would stop it, with one line on stderr,
+                   its MLflow run ends KILLED, and no rank outlives the process. It runs when
+                   the main thread ends, before Python's own exit steps (threading's exit
+                   hooks), while imports still work: a run whose MLflow run is still being made
+                   (importing MLflow registers exit hooks, refused once those run) gets it,
+                   and ends it KILLED. session/call.py's exit hook runs it again, for a process
+                   that ends otherwise. ``air-magic run notebook.ipynb`` waits for them instead.
 
 The thread is a daemon: the interpreter does not wait for it at exit (a non-daemon
 thread would keep a kernel's shutdown waiting for the training to finish).
@@ -24,6 +29,7 @@ thread would keep a kernel's shutdown waiting for the training to finish).
 from __future__ import annotations
 
 import html
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -267,6 +273,7 @@ def start_background(
     with _active_lock:
         _active.add(handle)
     try:
+        _stop_when_the_main_thread_ends()
         start_in_context(run, f"air_magic-background-{prepared.name}")
     except BaseException:
         with _active_lock:
@@ -284,6 +291,26 @@ def show_displays(displays: list[Consumer], world_size: int, name: str) -> list[
     return displays
 
 
+_exit_hook_set = False
+
+
+def _stop_when_the_main_thread_ends() -> None:
+    """Register :func:`cancel_all` among threading's exit hooks (once): they run as soon as the main
+    thread ends, before ``atexit``'s, while the runs' threads can still import and end their MLflow
+    runs (concurrent.futures stops its workers the same way)."""
+    global _exit_hook_set
+    if _exit_hook_set:
+        return
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:  # pragma: no cover - every Python we support has it; atexit's hook remains
+        return
+    try:
+        register(cancel_all)
+    except RuntimeError:  # the process is already exiting: atexit's hook (session/call.py) remains
+        return
+    _exit_hook_set = True
+
+
 def running() -> list[RunHandle]:
     """The background runs of this process that have not ended yet, oldest first."""
     with _active_lock:
@@ -291,9 +318,17 @@ def running() -> list[RunHandle]:
 
 
 def cancel_all(wait_s: float = AT_EXIT_WAIT_S) -> None:
-    """Stop every background run (interpreter exit: a kernel shut down or restarted with runs going)."""
+    """Stop every background run (interpreter exit: a kernel shut down or restarted with runs going,
+    a script that ended without waiting for its runs), one line each on stderr."""
     handles = running()
     for handle in handles:
+        where = f"; logs: {handle.log_dir}" if handle.log_dir else ""
+        print(
+            f"air_magic: this process is exiting: background run {handle.name} ({handle._status}) is "
+            f"stopped{where}. Call its handle's result() before the end to wait for it.",
+            file=sys.stderr,
+            flush=True,
+        )
         handle._stop()
     end = time.monotonic() + wait_s
     for handle in handles:

@@ -288,6 +288,12 @@ class RunStart:
     """
 
     def __init__(self, call: CallFacts, log_root: str | None = None):
+        # Imported on the caller's thread, before its end: ``import mlflow`` on the owner thread
+        # imports it, which registers a threading exit hook, refused once the main thread has
+        # ended (a script that starts a background run and ends: its run must still be made and
+        # ended KILLED by session/background.cancel_all). Standard library, already loaded mostly.
+        import concurrent.futures.thread  # noqa: F401
+
         self._call = call
         self._timeout = call.timeout
         self._log_root = log_root
