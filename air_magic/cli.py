@@ -17,7 +17,9 @@ plus ``--json``. Output is ``[rank N]`` lines (a colour per rank on a terminal),
 or with ``--json`` one JSON object per event (display/json_lines.py). The exit
 status says how the call ended: 0; the root-cause rank's status (1 for an
 exception, 128+N for signal N); 124 on timeout; 130 on SIGINT, 143 on
-SIGTERM and 129 on SIGHUP (each stops every rank first); 2 for a bad TARGET or option.
+SIGTERM and 129 on SIGHUP (each is forwarded to every rank, which gets ``--stop-grace``
+seconds, default 30 or ``$TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, to end before SIGKILL, as under
+torchrun; a second signal kills at once); 2 for a bad TARGET or option.
 """
 
 from __future__ import annotations
@@ -35,7 +37,13 @@ from typing import Any
 from air_magic import paths
 from air_magic.display.json_lines import JsonLines
 from air_magic.display.text import TextDisplay
-from air_magic.errors import ConfigurationError, DistributedTimeoutError, RankFailedError, RemoteTraceback
+from air_magic.errors import (
+    ConfigurationError,
+    DistributedTimeoutError,
+    RankFailedError,
+    RemoteTraceback,
+    StopSignal,
+)
 from air_magic.launch.settings import add_arguments, make_settings, settings_from_args
 from air_magic.protocol.events import Consumer
 from air_magic.session import detached, history
@@ -462,11 +470,12 @@ _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def _stop_on_signals(stopped_by: list[int]) -> dict[int, Any]:
-    """Each stop signal raises KeyboardInterrupt (the call stops every rank); the old handlers."""
+    """Each stop signal raises a KeyboardInterrupt that names it (StopSignal): the call forwards the
+    signal to every rank, waits its stop grace, then kills what is left. The old handlers."""
 
     def handler(signum: int, frame: FrameType | None) -> None:
         stopped_by.append(signum)
-        raise KeyboardInterrupt
+        raise StopSignal(signum)
 
     return {signum: signal.signal(signum, handler) for signum in _STOP_SIGNALS}
 

@@ -110,6 +110,7 @@ def distributed(
     accelerator_type: str | AcceleratorType | None = None,
     timeout: float | None = ...,
     *,
+    stop_grace: float | None = None,
     gpus: int | None = None,
     gpu_type: str | None = None,
     display: str = ...,
@@ -137,6 +138,7 @@ def distributed(
     accelerator_type: Any = None,
     timeout: Any = _LEFT_OUT["timeout"],
     *,
+    stop_grace: Any = None,
     gpus: Any = None,
     gpu_type: Any = None,
     display: Any = _LEFT_OUT["display"],
@@ -164,6 +166,10 @@ def distributed(
     - ``accelerator_type``: the GPUs expected, GPU_<count>x<MODEL> such as GPU_8xH100,
       checked against the machine. Default: detected.
     - ``timeout``: seconds before the call is stopped. Default 10800; ``None``: no limit.
+    - ``stop_grace``: seconds the ranks get to end on their own after a stop (the stop button,
+      Ctrl-C, a signal to the command line, cancel()) before they are killed: they get SIGINT
+      (KeyboardInterrupt), or the signal the command line got, as torchrun forwards it.
+      Default: ``$TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, else 30.
     - ``gpus`` / ``gpu_type``: legacy names of the two first (FutureWarning).
     - ``display``: how rank output is shown: auto (live tabs in Jupyter, else text), tabs,
       text (lines prefixed with the rank), rank0 (rank 0's lines only) or none.
@@ -200,6 +206,7 @@ def distributed(
         num_accelerators=num_accelerators,
         accelerator_type=accelerator_type,
         timeout=timeout,
+        stop_grace=stop_grace,
         gpus=gpus,
         gpu_type=gpu_type,
         display=display,

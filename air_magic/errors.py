@@ -12,6 +12,7 @@ Every error the package raises on purpose is defined here::
     └── RankFailedError                        a rank died, or its exception cannot be rebuilt
 
     RemoteTraceback                            carries a rank's traceback text as ``__cause__``
+    StopSignal (a KeyboardInterrupt)           a stop signal to the command line, forwarded to the ranks
 
 When a rank raises, the caller re-raises the *original* exception type when it
 can be unpickled (loky's approach), with the rank's formatted traceback as its
@@ -110,6 +111,15 @@ class RankFailedError(AirMagicError):
         self.exit_code = exit_code
         self.log_dir = log_dir
         self.remote_traceback = remote_traceback
+
+
+class StopSignal(KeyboardInterrupt):
+    """A stop that came as a signal (SIGTERM, SIGHUP or SIGINT to ``air-magic run``): the ranks get
+    the same signal, as torchrun forwards it, then the call's ``stop_grace`` before SIGKILL."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
 
 
 class RemoteTraceback(Exception):

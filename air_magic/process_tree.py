@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 import psutil
@@ -36,6 +36,7 @@ def stop_trees(
     known: Iterable[psutil.Process] = (),
     *,
     ask: signal.Signals | None = signal.SIGTERM,
+    meanwhile: Callable[[], None] | None = None,
 ) -> None:
     """Stop every process in ``procs`` and all of its descendants; reap ``procs``.
 
@@ -43,7 +44,8 @@ def stop_trees(
     (``None``: the caller has already asked another way, closing a pipe say). After
     ``grace_s`` (0: at once) whatever is left gets SIGKILL. ``known`` are descendants
     seen earlier (see :class:`DescendantTracker`), which may have lost their link
-    to a process that died since.
+    to a process that died since. ``meanwhile`` is called every tick of the grace (the
+    ranks' output is read on: a long grace must not leave them blocked on a full pipe).
     """
     pgids = [p.pid for p in procs]
     by_pid = {p.pid: p for p in known}
@@ -56,6 +58,8 @@ def stop_trees(
         while time.monotonic() < deadline:
             if all(p.poll() is not None for p in procs) and not any(_alive(o) for o in others):
                 break
+            if meanwhile is not None:
+                meanwhile()
             time.sleep(0.02)
     _signal(pgids, others, signal.SIGKILL)
     for p in procs:

@@ -412,3 +412,51 @@ def test_a_notebook_run_waits_for_the_background_runs_it_started(project):
     )
     broken = invoke("run", "later-broken.ipynb", cwd=project)
     assert broken.returncode == 1 and "KeyError: 'late'" in broken.stderr, broken.stderr
+
+
+CHECKPOINTS_ON_SIGTERM = """
+import os, signal, sys, time
+rank = os.environ["RANK"]
+
+def checkpoint(signum, frame):
+    time.sleep(3)  # torchrun's grace is 30 s: a checkpoint on preemption takes seconds
+    open(f"checkpoint-{rank}", "w").close()
+    sys.exit(0)
+
+signal.signal(signal.SIGTERM, checkpoint)
+print("sleeping", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.fault(
+    "SIGTERM to `air-magic run` (preemption) while ranks have a checkpoint-on-SIGTERM handler",
+    "the ranks get SIGTERM and finish their checkpoint within the grace (30 s default, "
+    "TORCH_ELASTIC_SHUTDOWN_TIMEOUT or --stop-grace), then exit 143",
+)
+@pytest.mark.parametrize("grace", ["default", "torchrun-variable-1s"])
+def test_sigterm_is_forwarded_and_the_ranks_get_their_grace(project, grace):
+    (project / "preempted.py").write_text(CHECKPOINTS_ON_SIGTERM)
+    env = environment()
+    if grace != "default":
+        env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = "1"
+    proc = subprocess.Popen(
+        [*command(), "run", "--no-tracking", "--json", "preempted.py"],
+        cwd=project,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        pids = _started_ranks(proc, 2)
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 143
+    saved = sorted(p.name for p in project.glob("checkpoint-*"))
+    assert saved == (["checkpoint-0", "checkpoint-1"] if grace == "default" else []), saved
+    assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie" for pid in pids)

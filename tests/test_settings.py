@@ -138,3 +138,18 @@ def test_other_settings_are_checked():
         distributed(env={"A": 1})
     with pytest.raises(ConfigurationError, match="max_payload_bytes"):
         distributed(max_payload_bytes=0)
+
+
+def test_stop_grace_defaults_to_torchruns_variable_then_30_seconds(monkeypatch):
+    from air_magic.launch.settings import make_settings, stop_grace_s
+
+    monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", raising=False)
+    assert stop_grace_s(make_settings().stop_grace) == 30.0
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "7")
+    assert stop_grace_s(make_settings().stop_grace) == 7.0
+    assert stop_grace_s(make_settings(stop_grace=0).stop_grace) == 0.0  # the setting wins
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "soon")
+    assert stop_grace_s(None) == 30.0
+    for bad in (-1, float("nan"), "5", True):
+        with pytest.raises(ConfigurationError, match="stop_grace"):
+            make_settings(stop_grace=bad)

@@ -36,6 +36,7 @@ EVERY_SETTING = (
         "num_accelerators": 3,
         "accelerator_type": "GPU_2xH200",
         "timeout": 12.5,
+        "stop_grace": 5.0,
         "display": "text",
         "env": {"A": "1", "B": "x=y"},
         "log_dir": "/tmp/air_magic-schema-logs",
@@ -50,7 +51,7 @@ EVERY_SETTING = (
         "run_id": "0123abcd",
         "system_metrics": False,
     },
-    "-n 3 --accelerator-type GPU_2xH200 --timeout 12.5 --display text --env A=1 --env B=x=y "
+    "-n 3 --accelerator-type GPU_2xH200 --timeout 12.5 --stop-grace 5 --display text --env A=1 --env B=x=y "
     "--log-dir /tmp/air_magic-schema-logs --max-payload-bytes 1024 --no-tracking --no-warm-start "
     "--cluster ray=127.0.0.1:6379 --share-gpus --no-detach --experiment exp --run-name run-1 "
     "--run-id 0123abcd --no-system-metrics",

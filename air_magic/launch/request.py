@@ -26,6 +26,7 @@ class LaunchRequest:
     plan: AcceleratorPlan
     timeout: float | None
     env: dict[str, str] = field(default_factory=dict)  # extra variables for every rank
+    stop_grace: float = 30.0  # after a stop: seconds before SIGKILL (launch/settings.stop_grace_s)
     log_root: str | None = None  # where the call's log folder is made (None: paths.default_log_root)
     run_id: str | None = None  # the call's id, when the caller chose it (a detached run's); None: new
     # A persistent session's line to its ranks (session/persistent.py); None for a one-off call.

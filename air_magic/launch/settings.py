@@ -26,6 +26,7 @@ from typing import Any
 
 from air_magic.errors import ConfigurationError
 from air_magic.launch.accelerators import AcceleratorSpec, AcceleratorType, parse_accelerator_type
+from air_magic.protocol import env_names
 from air_magic.user_warnings import warn_at_user_line
 
 DEFAULT_TIMEOUT = 10800.0  # the seed's 3 hours
@@ -86,6 +87,33 @@ def _check_timeout(value: Any) -> float | None:
             f"got {value!r}"
         )
     return seconds
+
+
+def _check_stop_grace(value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ConfigurationError(f"stop_grace must be a number of seconds (0 or more), got {value!r}")
+    seconds = float(value)
+    if math.isnan(seconds) or math.isinf(seconds) or seconds < 0:
+        raise ConfigurationError(f"stop_grace must be a finite number of seconds, 0 or more, got {value!r}")
+    return seconds
+
+
+DEFAULT_STOP_GRACE = 30.0  # torchrun's TORCH_ELASTIC_SHUTDOWN_TIMEOUT default
+
+
+def stop_grace_s(value: float | None) -> float:
+    """The grace of a stop: the setting; left out, ``$TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` (torchrun's
+    variable, read when the call starts), else 30 s."""
+    if value is not None:
+        return value
+    text = os.environ.get(env_names.TORCH_SHUTDOWN_TIMEOUT, "")
+    try:
+        from_env = float(text)
+    except ValueError:
+        return DEFAULT_STOP_GRACE
+    return from_env if math.isfinite(from_env) and from_env >= 0 else DEFAULT_STOP_GRACE
 
 
 def _check_cluster(value: Any) -> str | None:
@@ -235,6 +263,21 @@ class LaunchSettings:
                 parse=_parse_timeout,
                 takes="seconds or 'none'",
                 metavar="SECONDS|none",
+            )
+        ),
+    )
+    stop_grace: float | None = field(
+        default=None,
+        metadata=_about(
+            Setting(
+                help="seconds the ranks get to end on their own after a stop (the stop button, Ctrl-C, "
+                "a signal to the command line, cancel()) before they are killed: they get SIGINT "
+                "(KeyboardInterrupt), or the signal the command line got, as torchrun forwards it",
+                check=_check_stop_grace,
+                parse=float,
+                takes="seconds",
+                metavar="SECONDS",
+                default_text="$TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30",
             )
         ),
     )

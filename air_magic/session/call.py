@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import inspect
 import os
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +32,7 @@ from air_magic.errors import ConfigurationError
 from air_magic.launch.accelerators import AcceleratorPlan
 from air_magic.launch.payload import build_payload
 from air_magic.launch.request import CellChannel, LaunchRequest, RunResult
-from air_magic.launch.settings import LaunchSettings
+from air_magic.launch.settings import LaunchSettings, stop_grace_s
 from air_magic.protocol import env_names
 from air_magic.protocol.events import Consumer, EventBus
 from air_magic.session import gpu_claims
@@ -97,15 +98,17 @@ def start_async(
 
 def _follow_detached(prepared: PreparedCall, consumers: Sequence[Consumer]) -> RunResult:
     """A foreground call with ``detach=True``: the supervisor runs it, this process watches it to the
-    end. Ctrl-C stops it (as it stops any foreground call); a kernel that dies leaves it running."""
+    end. Ctrl-C (the stop button) stops watching, not the run: it was detached to outlive this
+    process, and ``attach`` treats Ctrl-C the same way; the message says how to follow or cancel it."""
     from air_magic.session import detached
 
     handle = detached.start_detached(prepared, None, consumers)
     try:
         handle.exception()  # waits for the end
     except KeyboardInterrupt:
-        handle.cancel()
-        raise
+        said = detached.stop_following(handle)
+        print(f"air_magic: {said}", file=sys.stderr, flush=True)
+        raise KeyboardInterrupt(said) from None
     return handle.run_result()
 
 
@@ -201,6 +204,7 @@ class PreparedCall:
                 payload=self.payload,
                 plan=self.plan,
                 timeout=self.settings.timeout,
+                stop_grace=stop_grace_s(self.settings.stop_grace),
                 env={**(tracked.env if tracked else {}), **self.settings.env},
                 log_root=self.settings.log_dir,
                 run_id=self.run_id,

@@ -361,12 +361,15 @@ def _follow(folder: str, displays: list[Any], on_result: Any, more: Sequence[Any
                 if event is None and not _supervisor_alive(folder):
                     gone = True
         caught_up.set()
+        if stop.is_set() and finished is None:  # unfollow(): the run goes on; this handle ends here
+            return
         try:
             outcome = _outcome(folder, finished)
         except Exception as exc:  # noqa: BLE001 - a follower never dies with its handle unfinished
             outcome = (None, LaunchError(f"following detached run {handle.detached_id} failed: {exc!r}"))
         handle._finish(*outcome)
 
+    handle.unfollow = stop.set  # type: ignore[attr-defined]
     start_in_context(follow, f"air_magic-follow-{name}")
     _followed.append(handle)
     # Back once what was written so far is replayed: the handle knows the log folder, the ranks'
@@ -380,8 +383,25 @@ _followed: list[RunHandle] = []  # the detached runs this process follows (never
 
 def followed() -> list[RunHandle]:
     """The detached runs this process follows that have not ended, oldest first."""
-    _followed[:] = [h for h in _followed if not h.done()]
+    _followed[:] = [h for h in _followed if not h.done() and h not in _unfollowed]
     return list(_followed)
+
+
+_unfollowed: list[RunHandle] = []
+
+
+def stop_following(handle: RunHandle) -> str:
+    """Stop following a detached run here (the stop button, Ctrl-C): it goes on. What to do next."""
+    unfollow = getattr(handle, "unfollow", None)
+    if unfollow is not None:
+        unfollow()
+    _unfollowed.append(handle)
+    run = handle.detached_id
+    return (
+        f"stopped following detached run {run}; it goes on. Follow it again: air_magic.attach({run!r}) "
+        f"(%distributed attach {run}, air-magic attach {run}); stop it: .cancel() on that handle "
+        f"(air-magic cancel {run})"
+    )
 
 
 def _show_record(displays: list[Any], state: dict[str, Any]) -> None:

@@ -48,8 +48,7 @@ from air_magic.protocol.events import (
 
 # How long ranks get between SIGTERM and SIGKILL: long enough for Python to run its atexit
 # hooks and flush logs, short enough that a stuck rank does not hold the GPUs for long.
-GRACE_S = 3.0
-INTERRUPT_GRACE_S = 1.0  # after Ctrl-C the user is waiting: a shorter grace
+GRACE_S = 3.0  # after a failure or a timeout: SIGTERM, then SIGKILL (a stop has the call's stop_grace)
 TICK_S = 0.2  # how often the loop wakes without output, for displays and the deadline
 _DRAIN_S = 2.0  # output still in the pipes after the ranks are gone: read for at most this long
 REPORTED_EXIT_S = 1.0  # how long a rank that reported its error may take to exit on its own
@@ -141,7 +140,7 @@ class CallLoop:
                 return RunResult(self.run_id, self.log_dir, outcome, error=error)
             outcome = self._watch()
             if outcome == "interrupted":  # stop() from another thread
-                self._stop(INTERRUPT_GRACE_S)
+                self._interrupt(signal.SIGINT)
                 error = self._stopped_error()
             elif outcome == "succeeded":
                 try:
@@ -151,9 +150,9 @@ class CallLoop:
             else:
                 error = self._error(outcome)
             return RunResult(self.run_id, self.log_dir, outcome, error=error)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as exc:
             outcome = "interrupted"
-            self._stop(INTERRUPT_GRACE_S)
+            self._interrupt(getattr(exc, "signum", signal.SIGINT))
             raise
         finally:
             self._stop(GRACE_S)  # no-op when every rank is already reaped
@@ -383,14 +382,20 @@ class CallLoop:
 
     # -- stopping ----------------------------------------------------------------------
 
-    def _stop(self, grace_s: float) -> None:
+    def _interrupt(self, signum: int) -> None:
+        """A stop (Ctrl-C, the stop button, cancel(), a signal to the command line): the ranks get
+        ``signum`` (SIGINT: KeyboardInterrupt, so ``except KeyboardInterrupt: save()`` runs), then the
+        call's stop grace, then SIGKILL, as torchrun does. Their output keeps flowing meanwhile."""
+        self._stop(self.request.stop_grace, signal.Signals(signum))
+
+    def _stop(self, grace_s: float, ask: signal.Signals = signal.SIGTERM) -> None:
         procs = [r.proc for r in self.ranks]
         if not procs:
             return
         if self.teardown_at is None:
             self.teardown_at = time.monotonic()
         try:
-            stop_trees(procs, grace_s, self.tracker.seen.values())
+            stop_trees(procs, grace_s, self.tracker.seen.values(), ask=ask, meanwhile=self.pipes.pump)
         except KeyboardInterrupt:  # a second interrupt: no more grace
             stop_trees(procs, 0, self.tracker.seen.values())
             raise

@@ -229,6 +229,16 @@ class RankPipes:
                     if not self.read(key.fd, slot, stream):
                         break
 
+    def pump(self) -> None:
+        """What the ranks have written meanwhile, without waiting (during a stop's grace: their
+        output still shows, and a full pipe never blocks a rank that is saving a checkpoint)."""
+        for key, _ in self.selector.select(0):
+            slot, stream = key.data
+            if isinstance(slot, RankSlot) and stream is not None:
+                for _ in range(_DRAIN_READS):
+                    if not self.read(key.fd, slot, stream):
+                        break
+
     def drain(self, limit_s: float) -> None:
         """At the end of a call: read the pipes until EOF or ``limit_s`` (a grandchild may hold one
         open), then close them and stop watching everything else (pidfds, the starter's socket)."""

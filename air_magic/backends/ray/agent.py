@@ -151,16 +151,17 @@ class NodeAgent:
             self._last_poll = time.monotonic()
         return events
 
-    def stop(self, run_id: str, grace_s: float) -> None:
+    def stop(self, run_id: str, grace_s: float, signum: int = signal.SIGTERM) -> None:
         """Stop this node's ranks of call ``run_id`` (and everything they started), also ranks it is
-        still starting and a start that has not arrived yet; their exits follow as events."""
+        still starting and a start that has not arrived yet; their exits follow as events. They get
+        ``signum`` first (SIGINT for a stop, as the local backend sends), then ``grace_s``."""
         with self._cond:
             self._stopped.add(run_id)
             if len(self._stopped) > 64:  # remembered for a late start only; never grows for long
                 self._stopped = {run_id}
             call = self._call if self._call is not None and self._call.run_id == run_id else None
         if call is not None:
-            call.stop(grace_s)
+            call.stop(grace_s, signal.Signals(signum))
 
     def finish(self, run_id: str) -> None:
         """Call ``run_id`` is over: close its store, remove its folder (the arguments were in it)."""
@@ -527,14 +528,14 @@ class NodeCall:
 
     # -- stopping ----------------------------------------------------------------------------
 
-    def stop(self, grace_s: float) -> None:
+    def stop(self, grace_s: float, ask: signal.Signals = signal.SIGTERM) -> None:
         self._stopping.set()
         with self._stop_lock:
             if self.teardown_at is None:
                 self.teardown_at = time.monotonic()
             procs = [r.proc for r in self.ranks]
             if procs:
-                stop_trees(procs, grace_s, self.tracker.seen.values())
+                stop_trees(procs, grace_s, self.tracker.seen.values(), ask=ask)
 
     def kill_now(self) -> None:
         """SIGKILL every rank's group and every descendant seen (no grace: the node is going)."""

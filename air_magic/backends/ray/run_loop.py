@@ -50,7 +50,6 @@ from air_magic.protocol.events import (
 TICK_S = 0.2
 POLL_S = 0.5  # an agent's long poll returns at once when it has news, else after this
 GRACE_S = 3.0
-INTERRUPT_GRACE_S = 1.0
 REPORTED_EXIT_S = 1.0  # as local: a rank that reported its error and has not exited by then has failed
 SETTLE_S = 0.5  # after the first failure, news still on its way from other nodes is taken in first
 STACKS_WAIT_S = 30.0  # every node's dumps (py-spy takes up to 10 s on a rank that does not answer)
@@ -179,7 +178,7 @@ class RayRun:
                 except PayloadError as exc:
                     outcome, error = "failed", exc
             elif outcome == "interrupted":
-                self._stop(INTERRUPT_GRACE_S)
+                self._stop(self.request.stop_grace, signal.SIGINT)
                 error = self._stopped_error()
             elif outcome == "timeout":
                 running = [r.rank for r in self.ranks if not r.exited]
@@ -190,9 +189,9 @@ class RayRun:
                 self._stop(GRACE_S)
                 error = self._failure_error()
             return RunResult(self.run_id, self.log_dir, outcome, error=error)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as exc:
             outcome = "interrupted"
-            self._stop(INTERRUPT_GRACE_S)
+            self._stop(self.request.stop_grace, getattr(exc, "signum", signal.SIGINT))
             raise
         finally:
             self._stop(GRACE_S)
@@ -446,15 +445,16 @@ class RayRun:
 
     # -- stopping --------------------------------------------------------------------------
 
-    def _stop(self, grace_s: float) -> None:
-        """Every agent stops its ranks of this call (also ranks it is still starting); their exits
-        are taken in, for at most STOP_WAIT_S + grace. Returns with every rank accounted for."""
+    def _stop(self, grace_s: float, signum: int = signal.SIGTERM) -> None:
+        """Every agent stops its ranks of this call (also ranks it is still starting; ``signum``
+        first, then ``grace_s``); their exits are taken in, for at most STOP_WAIT_S + grace.
+        Returns with every rank accounted for."""
         if self.teardown_at is not None and all(r.exited for r in self.ranks) and not self.starts:
             return
         if self.teardown_at is None:
             self.teardown_at = time.monotonic()
         for agent in self.agents:  # a node taken for lost may only be silent: told too
-            self.side_calls.append(agent.stop.remote(self.run_id, grace_s))
+            self.side_calls.append(agent.stop.remote(self.run_id, grace_s, int(signum)))
         end = time.monotonic() + grace_s + STOP_WAIT_S
         try:
             while self.starts and time.monotonic() < end:  # a start still on its way: its pids
