@@ -460,3 +460,33 @@ def test_sigterm_is_forwarded_and_the_ranks_get_their_grace(project, grace):
     saved = sorted(p.name for p in project.glob("checkpoint-*"))
     assert saved == (["checkpoint-0", "checkpoint-1"] if grace == "default" else []), saved
     assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie" for pid in pids)
+
+
+def test_os_exit_zero_ends_a_scripts_rank_as_a_success_and_its_peers_run_on(project):
+    (project / "exits_early.py").write_text(
+        "import os, time\n"
+        "if os.environ['RANK'] == '0':\n"
+        "    print('rank 0 done', flush=True)\n"
+        "    os._exit(0)\n"
+        "time.sleep(2)\n"
+        "print('rank 1 finished its work', flush=True)\n"
+    )
+    done = air_magic(project, "exits_early.py")
+    assert done.returncode == 0, done.stderr  # under torchrun too
+    assert "[rank 1] rank 1 finished its work" in done.stdout
+    module = air_magic(project, "-m", "exits_early")
+    assert module.returncode == 0 and "[rank 1] rank 1 finished its work" in module.stdout, module.stderr
+
+
+def test_json_lines_parse_strictly_with_non_finite_values(project):
+    (project / "losses.py").write_text(
+        "import math\n\ndef losses():\n    return {'loss': math.nan, 'best': [math.inf, -math.inf, 1.5]}\n"
+    )
+    done = air_magic(project, "--json", "-n", "1", "losses:losses")
+    assert done.returncode == 0, done.stderr
+
+    def refuse(name):
+        raise ValueError(f"not JSON: {name}")
+
+    lines = [json.loads(line, parse_constant=refuse) for line in done.stdout.splitlines()]
+    assert lines[-1]["values"] == [{"loss": "NaN", "best": ["Infinity", "-Infinity", 1.5]}]

@@ -6,16 +6,39 @@ Objects (each on its own line, ``"event"`` first): ``run_started``, ``rank_start
 exit status, the MLflow run). Rank output is split into lines exactly as the
 text display splits it (protocol/lines.py); an unfinished line is sent when
 its rank exits.
+
+Every line parses with a strict JSON parser: a non-finite float (a loss that went
+``nan``) is written as the string ``"NaN"``, ``"Infinity"`` or ``"-Infinity"`` (as
+protobuf's JSON mapping does), never as the bare ``NaN`` that Python's json writes;
+a value JSON has no type for is written as its ``repr``.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 from typing import Any, TextIO
 
 from air_magic.protocol.events import Event, RankExited, RankOutput, RankStarted, RunFinished, RunStarted
 from air_magic.protocol.lines import LineSplitter
+
+
+def _strict(value: Any) -> Any:
+    """``value`` with every non-finite float as its name, in lists, tuples and dicts at any depth."""
+    if isinstance(value, float):
+        if math.isfinite(value):
+            return value
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {k if isinstance(k, str) else str(_strict(k)): _strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict(v) for v in value]
+    return value
+
+
+def _as_text(value: Any) -> Any:
+    return repr(value)
 
 
 class JsonLines:
@@ -64,7 +87,7 @@ class JsonLines:
 
     def emit(self, kind: str, **fields: Any) -> None:
         out = self._out or sys.stdout
-        out.write(json.dumps({"event": kind, **fields}, default=repr) + "\n")
+        out.write(json.dumps(_strict({"event": kind, **fields}), default=_as_text, allow_nan=False) + "\n")
         out.flush()
 
     def _flush(self, rank: int) -> None:

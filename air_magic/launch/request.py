@@ -27,6 +27,9 @@ class LaunchRequest:
     timeout: float | None
     env: dict[str, str] = field(default_factory=dict)  # extra variables for every rank
     stop_grace: float = 30.0  # after a stop: seconds before SIGKILL (launch/settings.stop_grace_s)
+    # A script or ``-m`` module (air-magic run): exit status 0 is success, as under torchrun, even
+    # without a result written (``os._exit(0)`` at its end). A function must return.
+    exit_zero_succeeds: bool = False
     log_root: str | None = None  # where the call's log folder is made (None: paths.default_log_root)
     run_id: str | None = None  # the call's id, when the caller chose it (a detached run's); None: new
     # A persistent session's line to its ranks (session/persistent.py); None for a one-off call.
@@ -78,6 +81,12 @@ class RunResult:
             raise self.error
         assert self.values is not None
         return self.values
+
+
+def rank_succeeded(request: LaunchRequest, exit_code: int | None, returned: bool) -> bool:
+    """The one rule for a rank that ended on its own: it exited 0 having written its result; a
+    script's rank (``exit_zero_succeeds``) needs only the 0."""
+    return exit_code == 0 and (returned or request.exit_zero_succeeds)
 
 
 def new_run_id() -> str:

@@ -205,6 +205,7 @@ class PreparedCall:
                 plan=self.plan,
                 timeout=self.settings.timeout,
                 stop_grace=stop_grace_s(self.settings.stop_grace),
+                exit_zero_succeeds=self.kind in ("script", "module"),
                 env={**(tracked.env if tracked else {}), **self.settings.env},
                 log_root=self.settings.log_dir,
                 run_id=self.run_id,

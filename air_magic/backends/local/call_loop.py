@@ -32,7 +32,7 @@ from air_magic.backends.output import OutputRouter
 from air_magic.errors import DistributedTimeoutError, LaunchError, PayloadError
 from air_magic.launch.failures import RankFailure, build_exception, exit_words, raised_on_its_own
 from air_magic.launch.rank_env import RankPlace, rank_environment
-from air_magic.launch.request import LaunchRequest, RunResult
+from air_magic.launch.request import LaunchRequest, RunResult, rank_succeeded
 from air_magic.launch.stacks import discard_rank_files, take_stacks, timeout_section
 from air_magic.process_tree import DescendantTracker, stop_trees
 from air_magic.protocol import serialization, wire
@@ -375,7 +375,7 @@ class CallLoop:
         if r.pidfd is not None:
             self.selector.unregister(r.pidfd)
         self.pipes.drain_rank(r)  # all its output before its exit
-        ok = r.exit_code == 0 and os.path.exists(wire.result_path(self.run_dir, r.rank))
+        ok = rank_succeeded(self.request, r.exit_code, os.path.exists(wire.result_path(self.run_dir, r.rank)))
         r.state = RankState.SUCCEEDED if ok else RankState.FAILED
         reason = _exit_reason(None if r.status_lost and not ok else r.exit_code, ok)
         self.bus.emit(RankExited(rank=r.rank, state=r.state, exit_code=r.exit_code, reason=reason))
@@ -435,7 +435,10 @@ class CallLoop:
         results = []
         for r in self.ranks:
             data = wire.read_bytes(wire.result_path(self.run_dir, r.rank))
-            assert data is not None  # checked when the rank exited
+            if data is None:  # a script's rank that ended with os._exit(0): nothing to return
+                assert self.request.exit_zero_succeeds, f"rank {r.rank} succeeded without a result"
+                results.append(None)
+                continue
             try:
                 results.append(serialization.loads(data))
             except Exception as exc:

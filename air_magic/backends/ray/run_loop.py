@@ -34,7 +34,7 @@ from air_magic.backends.output import OutputRouter, make_log_dir
 from air_magic.backends.ray.placement import Pool
 from air_magic.errors import DistributedTimeoutError, LaunchError, PayloadError, RankFailedError
 from air_magic.launch.failures import RankFailure, build_exception, exit_words, raised_on_its_own
-from air_magic.launch.request import LaunchRequest, RunResult, new_run_id
+from air_magic.launch.request import LaunchRequest, RunResult, new_run_id, rank_succeeded
 from air_magic.launch.stacks import discard_rank_files, timeout_section
 from air_magic.protocol import env_names, serialization, wire
 from air_magic.protocol.events import (
@@ -403,7 +403,7 @@ class RayRun:
                 self._node_lost(node)  # its agent stopped watching them (it said why in its log)
 
     def _exited(self, r: RankRecord, teardown_at: float | None) -> None:
-        ok = r.exit_code == 0 and r.result is not None
+        ok = rank_succeeded(self.request, r.exit_code, r.result is not None)
         raised_at = self._error_time(r)
         if ok:
             r.state, reason = RankState.SUCCEEDED, "returned"
@@ -508,7 +508,10 @@ class RayRun:
     def _results(self) -> list[Any]:
         values = []
         for r in self.ranks:
-            assert r.result is not None
+            if r.result is None:  # a script's rank that ended with os._exit(0): nothing to return
+                assert self.request.exit_zero_succeeds, f"rank {r.rank} succeeded without a result"
+                values.append(None)
+                continue
             try:
                 values.append(serialization.loads(r.result))
             except Exception as exc:
