@@ -48,6 +48,7 @@ from air_magic.launch.settings import add_arguments, make_settings, settings_fro
 from air_magic.protocol.events import Consumer
 from air_magic.session import detached, history
 from air_magic.session.call import prepare_call, run_call, start_async
+from air_magic.tracking import store
 from air_magic.worker import targets
 
 USAGE_ERROR = 2  # argparse's own status for a bad option
@@ -83,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         args = _run_parser().parse_args(options)
         if target is None:
             raise UsageError("run needs a TARGET: script.py, -m module, module:function or notebook.ipynb")
+        store.name_calls_after(_experiment_of(*target[:2]))
         if target[0] == "notebook":
             return _run_notebook(target[1], args)
         call = _target(*target)
@@ -185,6 +187,14 @@ def _target(kind: str, what: str, argv: list[str]) -> tuple[str, Any, inspect.Bo
         _check_module(module)
         fn, name, args = targets.call_function, what, (what, argv)
     return name, fn, inspect.signature(fn).bind(*args), kind
+
+
+def _experiment_of(kind: str, what: str) -> str:
+    """The default MLflow experiment of TARGET: a script's or notebook's file name without its
+    suffix, a module's name (``pkg.train``, ``mymod`` of ``mymod:main``), as the README says."""
+    if kind in ("script", "notebook"):
+        return os.path.splitext(os.path.basename(what))[0]
+    return what.partition(":")[0]
 
 
 def _check_module(module: str) -> None:

@@ -490,3 +490,15 @@ def test_json_lines_parse_strictly_with_non_finite_values(project):
 
     lines = [json.loads(line, parse_constant=refuse) for line in done.stdout.splitlines()]
     assert lines[-1]["values"] == [{"loss": "NaN", "best": ["Infinity", "-Infinity", 1.5]}]
+
+
+def test_a_runs_experiment_is_named_after_its_script_module_or_notebook(project, store):
+    pytest.importorskip("IPython")
+    _notebook(project / "book.ipynb", "%%distributed -n 2 --display none\n1")
+    for target in (["ddp.py", "x"], ["helpers:whoami"], ["book.ipynb"]):
+        done = invoke("run", *target, cwd=project)
+        assert done.returncode == 0, done.stderr
+    for name in ("ddp", "helpers", "book"):
+        experiment = store.get_experiment_by_name(name)
+        assert experiment is not None, [e.name for e in store.search_experiments()]
+        assert len(store.search_runs([experiment.experiment_id])) == 1

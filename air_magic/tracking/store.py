@@ -141,8 +141,20 @@ def experiment_id(client: Any, uri: str, active: Any, explicit: str | None) -> s
         return str(found.experiment_id)
 
 
+_named_after: str | None = None  # what ``air-magic run`` runs (its process's __main__ is air-magic)
+
+
+def name_calls_after(target: str) -> None:
+    """Calls of this process default to the experiment ``target`` (a script's or notebook's stem,
+    a module's name): the command line runs them, so its own ``__main__`` would name them."""
+    global _named_after
+    _named_after = target or None
+
+
 def default_experiment_name() -> str:
     """The notebook's name, else the script's (or ``python -m``'s package), else ``air_magic``."""
+    if _named_after is not None:
+        return _named_after
     session = os.environ.get("JPY_SESSION_NAME")  # set by Jupyter for a notebook's kernel
     if session:
         return os.path.splitext(os.path.basename(session))[0] or "air_magic"
