@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError("run needs a TARGET: script.py, -m module, module:function or notebook.ipynb")
         store.name_calls_after(_experiment_of(*target[:2]))
         if target[0] == "notebook":
-            return _run_notebook(target[1], args)
+            return _run_notebook(target[1], target[2], args)
         call = _target(*target)
         settings = make_settings(**settings_from_args(args), display="none")
     except UsageError as exc:
@@ -184,7 +184,7 @@ def _target(kind: str, what: str, argv: list[str]) -> tuple[str, Any, inspect.Bo
         module, _, function = what.partition(":")
         if not module or not function:
             raise UsageError(f"TARGET {what!r}: give module:function")
-        _check_module(module)
+        _check_function(module, function)
         fn, name, args = targets.call_function, what, (what, argv)
     return name, fn, inspect.signature(fn).bind(*args), kind
 
@@ -197,7 +197,7 @@ def _experiment_of(kind: str, what: str) -> str:
     return what.partition(":")[0]
 
 
-def _check_module(module: str) -> None:
+def _check_module(module: str) -> Any:
     sys.path.insert(0, os.getcwd())  # as the ranks will see it
     try:
         found = importlib.util.find_spec(module)
@@ -207,6 +207,44 @@ def _check_module(module: str) -> None:
         sys.path.pop(0)
     if found is None:
         raise UsageError(f"no module named {module!r}")
+    return found
+
+
+def _check_function(module: str, qualname: str) -> None:
+    """``module:function`` names something the module defines, checked before any rank starts.
+
+    Read from the module's source (``ast``), not imported: importing it here would run its
+    top level (and import torch) in this process. A module whose names cannot be read that way
+    (no source, ``from x import *``, a module ``__getattr__``) is left to the ranks."""
+    import ast
+
+    origin = getattr(_check_module(module), "origin", None)
+    if not origin or not origin.endswith(".py"):
+        return
+    try:
+        with open(origin, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError, ValueError):
+        return  # the ranks report it, with the rank's own traceback
+    defined: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            defined.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            if any(alias.name == "*" for alias in node.names):
+                return
+            defined.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+        else:
+            for target in ast.walk(node):  # assignments, also under if/try at the top level
+                if isinstance(target, ast.Name) and isinstance(target.ctx, ast.Store):
+                    defined.add(target.id)
+                elif isinstance(target, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    defined.add(target.name)
+    if "__getattr__" in defined:
+        return
+    first = qualname.split(".")[0]
+    if first not in defined:
+        raise UsageError(f"module {module!r} ({origin}) defines no {first!r}")
 
 
 # -- runs and logs ----------------------------------------------------------------------
@@ -419,21 +457,35 @@ def _read(path: str) -> str | None:
         return None
 
 
-def _run_notebook(path: str, args: argparse.Namespace) -> int:
-    """The notebook's code cells in order, in an IPython shell here; the first failing cell ends it."""
+def _run_notebook(path: str, argv: list[str], args: argparse.Namespace) -> int:
+    """The notebook's code cells in order, in an IPython shell here, in the notebook's folder (as
+    Jupyter and ``nbconvert --execute`` run them); the first failing cell ends it."""
     import json
 
     if not os.path.isfile(path):
         raise UsageError(f"no such notebook: {path}")
-    if args.json or settings_from_args(args):
-        raise UsageError("a notebook's %%distributed lines carry its options: give none here")
+    if argv:
+        raise UsageError(f"a notebook takes no arguments (got {' '.join(argv)}); its cells are what runs")
+    if args.json:
+        raise UsageError(
+            "--json is for a script, -m module or module:function target; a notebook prints its cells"
+        )
+    given = settings_from_args(args)
+    if given:
+        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+        raise UsageError(f"{flags}: a notebook's options go on its own %%distributed lines, not here")
     try:
         from IPython.core.interactiveshell import InteractiveShell
     except ImportError:
         raise UsageError("a notebook target needs IPython: pip install 'air_magic[notebook]'") from None
     with open(path, encoding="utf-8") as f:
         cells = [c for c in json.load(f).get("cells", []) if c.get("cell_type") == "code"]
-    shell = InteractiveShell.instance()
+    folder = os.path.dirname(os.path.abspath(path))
+    os.chdir(folder)  # relative paths in its cells mean what they mean in Jupyter
+    sys.path.insert(0, folder)  # and its neighbour modules import, as in a kernel
+    # Colours only for a terminal: a pipe or a log file gets tracebacks without escape codes.
+    colour = sys.stdout.isatty() and sys.stderr.isatty()
+    shell = InteractiveShell.instance(colors="linux" if colour else "nocolor")
     shell.run_line_magic("load_ext", "air_magic")
     stopped_by: list[int] = []
     previous = _stop_on_signals(stopped_by)
@@ -540,12 +592,19 @@ def _print_error(error: BaseException) -> None:
     if isinstance(error, ConfigurationError):
         print(f"air-magic run: {error}", file=sys.stderr)
         return
+    if isinstance(error, targets.ScriptExit):  # sys.exit(N): the status says it (and the rank its message)
+        return
     cause = error.__cause__
     if isinstance(cause, RemoteTraceback):
         print(str(cause), file=sys.stderr)
-        print("".join(traceback.format_exception_only(error)).rstrip("\n"), file=sys.stderr)
+        said = traceback.format_exception_only(error)
+        if cause.text.rstrip("\n").endswith(said[0].rstrip("\n")):  # the rank's own exception line
+            said = said[1:]  # only the notes then: that line is the traceback's last
+        if said:
+            print("".join(said).rstrip("\n"), file=sys.stderr)
     else:
-        traceback.print_exception(error, file=sys.stderr)
+        # Not a rank's failure (one of this process's): its message, not air_magic's frames.
+        print("".join(traceback.format_exception_only(error)).rstrip("\n"), file=sys.stderr)
 
 
 if __name__ == "__main__":  # pragma: no cover - python -m air_magic.cli

@@ -49,10 +49,15 @@ if how == "sleep":
 """
 
 FUNCTIONS = """
+import asyncio
 import os
 
 def whoami(*args):
     return {"rank": int(os.environ["RANK"]), "args": list(args)}
+
+async def waits(seconds):
+    await asyncio.sleep(float(seconds))
+    return int(os.environ["RANK"])
 """
 
 
@@ -213,6 +218,7 @@ def test_json_is_one_object_per_line_from_start_to_result(project):
         (["nothere.py"], "no such script: nothere.py"),
         (["-m", "no_such_module"], "no module named 'no_such_module'"),
         (["helpers"], "is not a file"),
+        (["helpers:missing"], "module 'helpers' "),
         (["-n", "zero", "ddp.py"], "-n/--num-accelerators"),
         (["--timeout", "soon", "ddp.py"], "--timeout"),
         ([], "needs a TARGET"),
@@ -502,3 +508,50 @@ def test_a_runs_experiment_is_named_after_its_script_module_or_notebook(project,
         experiment = store.get_experiment_by_name(name)
         assert experiment is not None, [e.name for e in store.search_experiments()]
         assert len(store.search_runs([experiment.experiment_id])) == 1
+
+
+def test_a_notebook_runs_in_its_own_folder_and_refuses_what_it_cannot_take(project):
+    pytest.importorskip("IPython")
+    sub = project / "analysis"
+    sub.mkdir()
+    (sub / "data.txt").write_text("from the notebook's folder")
+    (sub / "neighbour.py").write_text("WORD = 'imported'\n")
+    _notebook(
+        sub / "book.ipynb",
+        "import neighbour\nprint(open('data.txt').read(), neighbour.WORD)",
+        "%%distributed -n 2 --no-tracking --display text\nprint(open('data.txt').read())",
+        "1 / 0",
+    )
+    done = invoke("run", "analysis/book.ipynb", cwd=project)
+    assert done.returncode == 1, done.stderr
+    assert "from the notebook's folder imported" in done.stdout
+    assert "[rank 1] from the notebook's folder" in done.stdout
+    assert "ZeroDivisionError" in done.stdout + done.stderr
+    assert "\x1b[" not in done.stdout + done.stderr  # a pipe gets no colour codes
+    for extra, said in (
+        (["analysis/book.ipynb", "--lr", "3"], "a notebook takes no arguments"),
+        (["--json", "analysis/book.ipynb"], "--json is for a script"),
+        (["--detach", "analysis/book.ipynb"], "--detach: a notebook's options go on its own %%distributed"),
+    ):
+        refused = invoke("run", *extra, cwd=project)
+        assert refused.returncode == 2 and said in refused.stderr, (extra, refused.stderr)
+
+
+def test_an_async_function_target_is_awaited(project):
+    done = air_magic(project, "helpers:waits", "0.2")
+    assert done.returncode == 0, done.stderr
+    assert "rank 0: 0" in done.stdout and "rank 1: 1" in done.stdout
+    assert "never awaited" not in done.stderr and "coroutine" not in done.stderr
+
+
+def test_a_failure_shows_the_users_frames_once_and_sys_exit_no_traceback(project):
+    (project / "raises.py").write_text("def main():\n    raise ValueError('bad batch')\n\nmain()\n")
+    raised = air_magic(project, "-n", "1", "raises.py")
+    assert raised.returncode == 1
+    assert raised.stderr.count("ValueError: bad batch") == 2, raised.stderr  # live from the rank; the summary
+    for ours in ("cli.py", "request.py", "targets.py", "runpy"):
+        assert ours not in raised.stderr, raised.stderr
+    exited = air_magic(project, "endings.py", "exit3")
+    assert exited.returncode == 3
+    assert "ScriptExit" not in exited.stderr and "Traceback" not in exited.stderr, exited.stderr
+    assert exited.stderr.strip().splitlines()[-1] == "air-magic: exit status 3"

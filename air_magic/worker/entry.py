@@ -41,7 +41,7 @@ import psutil
 
 from air_magic.protocol import env_names, serialization, wire
 from air_magic.protocol.stacks import STACKS_SIGNAL, stacks_path
-from air_magic.worker import live_stdout
+from air_magic.worker import live_stdout, targets
 from air_magic.worker import mlflow_hook as rank_mlflow
 
 # The launcher passes this to ``python -c``; argv[1] is the run directory.
@@ -93,7 +93,8 @@ def main(transport: wire.RankTransport) -> NoReturn:
         transport.write_result(data)
     except BaseException as exc:  # noqa: BLE001 - every failure is reported, even SystemExit
         _report(transport, stage, exc)
-        _exit(1)
+        # A script's sys.exit(N) ends its rank with N, as under python or torchrun.
+        _exit(exc.status & 0xFF or 1 if isinstance(exc, targets.ScriptExit) else 1)
     _exit(0)
 
 
@@ -119,7 +120,12 @@ def _report(transport: wire.RankTransport, stage: str, exc: BaseException) -> No
         # Drop air_magic's own frames (main, the cell runner): the user's frames start below them.
         while tb is not None and tb.tb_next is not None and _is_ours(tb.tb_frame.f_code.co_filename):
             tb = tb.tb_next
-    text = "".join(traceback.format_exception(type(exc), exc, tb))
+    if isinstance(exc, targets.ScriptExit):
+        # sys.exit(N) in a script: no traceback (Python prints none; torchrun neither), only the
+        # message of sys.exit("message"), which Python prints.
+        text = f"{exc.message}\n" if exc.message else ""
+    else:
+        text = "".join(traceback.format_exception(type(exc), exc, tb))
     pickled: bytes | None
     try:
         pickled = serialization.dumps(exc)

@@ -10,7 +10,9 @@ with that status.
 
 from __future__ import annotations
 
+import asyncio
 import importlib
+import inspect
 import os
 import runpy
 import sys
@@ -38,7 +40,10 @@ def call_function(spec: str, argv: list[str]) -> Any:
     target: Any = importlib.import_module(module_name)
     for part in qualname.split("."):
         target = getattr(target, part)
-    return target(*argv)
+    result = target(*argv)
+    if inspect.iscoroutine(result):  # an ``async def`` target: run it to its end, as asyncio.run(main())
+        result = asyncio.run(result)
+    return result
 
 
 class ScriptExit(Exception):

@@ -563,4 +563,6 @@ def _exit_reason(code: int | None, ok: bool) -> str:
         return "returned"
     if code == 1:
         return "raised an exception"
+    if code is not None and code > 1:  # a script's sys.exit(N)
+        return f"exited with status {code}"
     return exit_words(code)
