@@ -432,7 +432,7 @@ class CallLoop:
     # -- outcomes ----------------------------------------------------------------------
 
     def _results(self) -> list[Any]:
-        results = []
+        results: list[Any] = []
         for r in self.ranks:
             data = wire.read_bytes(wire.result_path(self.run_dir, r.rank))
             if data is None:  # a script's rank that ended with os._exit(0): nothing to return

@@ -506,7 +506,7 @@ class RayRun:
     # -- outcomes --------------------------------------------------------------------------
 
     def _results(self) -> list[Any]:
-        values = []
+        values: list[Any] = []
         for r in self.ranks:
             if r.result is None:  # a script's rank that ended with os._exit(0): nothing to return
                 assert self.request.exit_zero_succeeds, f"rank {r.rank} succeeded without a result"
