@@ -277,6 +277,28 @@ def test_sys_exit_in_a_rank_does_not_exit_the_caller():
         run(_system_exit)
 
 
+class Halt(BaseException):  # like torch's CheckpointException: a BaseException that is not an exit
+    pass
+
+
+def _raises_a_base_exception():
+    raise Halt("checkpoint failed on this rank")
+
+
+@pytest.mark.fault(
+    "a rank raises a BaseException that is not an exit (torch's CheckpointException)",
+    "that exception's own type, with the rank's traceback; no word of sys.exit",
+)
+def test_a_base_exception_that_is_not_an_exit_comes_back_as_itself():
+    from air_magic.errors import RemoteTraceback
+
+    with pytest.raises(Halt, match="checkpoint failed on this rank") as raised:
+        run(_raises_a_base_exception)
+    assert isinstance(raised.value.__cause__, RemoteTraceback)
+    assert "_raises_a_base_exception" in raised.value.__cause__.text
+    assert "sys.exit" not in "".join(getattr(raised.value, "__notes__", []))
+
+
 def _returns_lock():
     import threading
 

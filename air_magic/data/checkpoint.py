@@ -7,11 +7,16 @@ DCP saves each shard once and loads onto another number of ranks (resharding).
 
 State that differs per rank and is not a tensor — a data loader's position —
 must not share one key across ranks: DCP keeps one copy of a non-tensor value
-per key. :class:`PerRank` stores it under the rank's own key.
+per key. :class:`PerRank` stores it under the rank's own key, and the number of
+ranks that saved it: loading it on another number of ranks is refused by
+``PerRank.load_state_dict`` with a message that says so (read through
+:func:`VolumeReader`, also on more ranks than saved it, where DCP itself would
+stop first at a bare "Missing key").
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 from typing import Any, Protocol, runtime_checkable
@@ -56,11 +61,67 @@ def VolumeReader(url: str | os.PathLike[str], **kwargs: Any) -> dcp.StorageReade
     if _is_local(url):
         if not os.path.isdir(_local_path(url)):
             raise FileNotFoundError(f"air_magic.data: no checkpoint at {url!r}")
-        return dcp.FileSystemReader(_local_path(url), **kwargs)
+        return _checks_rank_count(dcp.FileSystemReader(_local_path(url), **kwargs), url)
     require("fsspec")
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
-    return FsspecReader(url, **kwargs)
+    return _checks_rank_count(FsspecReader(url, **kwargs), url)
+
+
+_RANKS_KEY = "air_magic_ranks"  # beside each PerRank's rank_N keys: how many ranks saved it
+
+
+def _checks_rank_count(reader: Any, url: str) -> Any:
+    """``reader``, with a checkpoint's :class:`PerRank` state readable on more ranks than saved it.
+
+    DCP's planner refuses a key the checkpoint lacks (``Missing key in checkpoint state_dict:
+    loader.rank_2``) before any state is loaded, in words that do not say why. Here the missing
+    ranks' keys point at rank 0's bytes, so the load goes on to ``PerRank.load_state_dict``, which
+    compares the rank counts and says what differs. A state without that PerRank never asks for
+    those keys: loading the rest (tensors reshard) is untouched."""
+    read_metadata = reader.read_metadata
+
+    def read_metadata_for_this_many_ranks(*args: Any, **kwargs: Any) -> Any:
+        metadata = read_metadata(*args, **kwargs)
+        known = getattr(metadata, "state_dict_metadata", None)
+        if not isinstance(known, dict):
+            return metadata
+        _, world = _world()
+        for key in [k for k in known if k.endswith("." + _RANKS_KEY)]:
+            prefix = key[: -len(_RANKS_KEY) - 1]
+            first = f"{prefix}.rank_0"
+            if first not in known:
+                continue
+            where = [(i, info) for i, info in (metadata.storage_data or {}).items() if i.fqn == first]
+            for rank in range(world):
+                fqn = f"{prefix}.rank_{rank}"
+                if fqn not in known:
+                    known[fqn] = known[first]
+                    for index, info in where:
+                        metadata.storage_data[dataclasses.replace(index, fqn=fqn)] = info
+        return metadata
+
+    reader.read_metadata = read_metadata_for_this_many_ranks
+    return reader
+
+
+def _world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _check_ranks(saved: int) -> None:
+    _, world = _world()
+    if saved != world:
+        raise ValueError(
+            f"air_magic.data: this checkpoint's PerRank state was saved by {saved} rank(s); this call "
+            f"has {world}. Per-rank state (a loader's position) cannot be spread over another number "
+            f"of ranks: load it with {saved} ranks (num_accelerators={saved}), or leave the PerRank "
+            "entry out of the state to load the rest (tensors reshard)."
+        )
 
 
 UCVolumeWriter = VolumeWriter
@@ -78,22 +139,19 @@ class PerRank:
         self.inner = inner
 
     def _key(self) -> str:
-        import torch.distributed as dist
-
-        rank = (
-            dist.get_rank()
-            if dist.is_available() and dist.is_initialized()
-            else int(os.environ.get("RANK", "0"))
-        )
-        return f"rank_{rank}"
+        return f"rank_{_world()[0]}"
 
     def state_dict(self) -> dict[str, Any]:
         # Bytes, not the nested dict: DCP would flatten it, and loading a flattened dict needs
         # the same keys in the fresh object's state as in the saved one (a loader's are not).
-        return {self._key(): pickle.dumps(self.inner.state_dict())}
+        # The rank count: the same value on every rank, so DCP's one copy per key is right.
+        return {self._key(): pickle.dumps(self.inner.state_dict()), _RANKS_KEY: _world()[1]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         key = self._key()
+        saved = state_dict.get(_RANKS_KEY)
+        if isinstance(saved, int):  # absent from checkpoints of older versions
+            _check_ranks(saved)
         if key not in state_dict:
             raise KeyError(f"air_magic.data: the checkpoint has no state for {key} (saved by fewer ranks?)")
         self.inner.load_state_dict(pickle.loads(state_dict[key]))

@@ -125,8 +125,9 @@ def _exception_for(
         header = f"Traceback from {where} (full log: {log_path}):\n"
         cause = RemoteTraceback(header + record.traceback.rstrip("\n"))
         exc = _rebuild(record)
-        # SystemExit or KeyboardInterrupt from a rank must not end the caller: wrap those.
-        if isinstance(exc, Exception):
+        # SystemExit or KeyboardInterrupt from a rank must not end the caller: wrap those. Other
+        # BaseExceptions (torch's CheckpointException) are the rank's own errors: raised as they are.
+        if exc is not None and not isinstance(exc, _ENDS_A_PROCESS):
             note = f"[air_magic] raised on {where}; full log: {log_path}"
             if record.stage == "write":
                 note = (
@@ -169,6 +170,9 @@ def _exception_for(
         exit_code=failure.exit_code,
         log_dir=log_path,
     )
+
+
+_ENDS_A_PROCESS = (SystemExit, KeyboardInterrupt, GeneratorExit)
 
 
 def _rebuild(record: ErrorRecord) -> BaseException | None:
