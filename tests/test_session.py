@@ -277,3 +277,22 @@ def test_a_name_the_ranks_hold_but_could_not_send_back_is_not_overwritten(ip, se
     ip.run_cell("lock = 6")  # rebound here: sent
     values, _ = cell(ip, "lock")
     assert values == [6, 6]
+
+
+def test_each_cell_follows_the_notebooks_folder_environment_and_sys_path(ip, session, tmp_path, monkeypatch):
+    (tmp_path / "late_module.py").write_text("WHERE = 'imported from the new sys.path'\n")
+    monkeypatch.chdir(tmp_path)  # %cd after the session started
+    monkeypatch.setenv("AFTER_START", "set later")
+    monkeypatch.setenv("MASTER_PORT", "1")  # the launcher's: the ranks keep theirs, and it is said
+    monkeypatch.syspath_prepend(str(tmp_path))
+    result, out = cell(
+        ip,
+        "import os, late_module\n(os.getcwd(), os.environ.get('AFTER_START'), late_module.WHERE, "
+        "os.environ['MASTER_PORT'] != '1')",
+        "--display none",
+    )
+    assert result == [(str(tmp_path), "set later", "imported from the new sys.path", True)] * 2
+    assert out.stderr.count("keep their own MASTER_PORT") == 1, out.stderr
+    monkeypatch.delenv("AFTER_START")
+    result, out = cell(ip, "import os\nos.environ.get('AFTER_START', 'gone')", "--display none")
+    assert result == ["gone", "gone"] and "MASTER_PORT" not in out.stderr  # said once

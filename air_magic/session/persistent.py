@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import os
 import queue
 import sys
 import threading
@@ -168,6 +169,10 @@ class Session:
         # name -> the notebook's object for it when a cell last bound it in the ranks (the copy that came
         # back, the stale one a failed pull-back left, or _ABSENT): not sent again while it is the same
         self._held: dict[str, Any] = {}
+        # The notebook's environment when the ranks started: each cell brings the changes since.
+        self._env_at_start = dict(os.environ)
+        self._kept_said: set[str] = set()  # names whose change the ranks do not follow, said once
+        self._env_sent: set[str] = set()  # names a cell set in the ranks (unset there once gone here)
 
     # -- the surface's side ---------------------------------------------------------------
 
@@ -352,7 +357,9 @@ class Session:
         display: str | None,
     ) -> RunResult:
         self._check_usable()
-        payload = build_payload(func, bound, self.settings.max_payload_bytes)
+        payload = serialization.dumps(
+            (build_payload(func, bound, self.settings.max_payload_bytes), self._caller())
+        )
         assert self._sender is not None and self._run_started is not None
         number = self.cells + 1
         self.cells = number
@@ -395,6 +402,30 @@ class Session:
         if error is not None:
             return RunResult(started.run_id, started.log_dir, outcome, error=error)
         return RunResult(started.run_id, started.log_dir, outcome, values=self._results(cell))
+
+    def _caller(self) -> dict[str, Any]:
+        """Where the notebook stands now, for the ranks to follow before the cell (as a one-off call's
+        fresh ranks would start): its folder, ``sys.path``, and its environment's changes since the
+        session started, except the names the launcher gives each rank (said once, here)."""
+        now = dict(os.environ)
+        changed = {k: v for k, v in now.items() if self._env_at_start.get(k) != v}
+        removed = [k for k in {*self._env_at_start, *self._env_sent} if k not in now]
+        self._env_sent.update(changed)
+        kept = sorted(k for k in [*changed, *removed] if session_rank.kept_by_the_ranks(k))
+        for name in kept:
+            if name not in self._kept_said:
+                self._kept_said.add(name)
+                print(
+                    f"air_magic: the session's ranks keep their own {name} (set when the session "
+                    "started); a one-off call, outside the session, takes the notebook's new value",
+                    file=sys.stderr,
+                )
+        return {
+            "cwd": os.getcwd(),
+            "sys_path": list(sys.path),
+            "env": {k: v for k, v in changed.items() if k not in kept},
+            "unset": [k for k in removed if k not in kept],
+        }
 
     def _follow(self, cell: _Cell, limit: float | None) -> tuple[str, BaseException | None]:
         """Wait for every rank's answer; interrupt the stragglers after an error or the timeout."""

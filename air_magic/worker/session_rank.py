@@ -97,8 +97,11 @@ def _run_cell(run_dir: str, rank: int, cell: int) -> bool:
         data = wire.read_bytes(wire.session_cell_path(run_dir, cell))
         if data is None:
             raise FileNotFoundError(f"cell {cell}'s payload is missing from {run_dir}")
-        fn, args, kwargs, sources = serialization.loads(data)
+        payload, caller = serialization.loads(data)
         del data
+        follow_the_caller(caller)
+        fn, args, kwargs, sources = serialization.loads(payload)
+        del payload
         for name, lines in sources.items():
             linecache.cache[name] = (sum(map(len, lines)), None, lines, name)
         if fn is cell_runner.run_cell:
@@ -124,6 +127,39 @@ def _run_cell(run_dir: str, rank: int, cell: int) -> bool:
                 stream.flush()
             except Exception:  # noqa: BLE001 - a stream the cell closed or replaced
                 pass
+
+
+# What the launcher gives each rank (torchrun's variables, its GPUs, the call's own and its MLflow
+# run's): a session's rank keeps them when the notebook changes its own (session/persistent.py says so).
+_LAUNCH_NAMES = frozenset(
+    {
+        "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "ROLE_RANK",
+        "ROLE_WORLD_SIZE", "ROLE_NAME", "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+        "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "OMP_NUM_THREADS", "PYTHONUNBUFFERED",
+    }
+)  # fmt: skip
+_LAUNCH_PREFIXES = ("TORCHELASTIC_", "AIR_MAGIC_", "MLFLOW_")
+
+
+def kept_by_the_ranks(name: str) -> bool:
+    """A variable a session's ranks keep as launched, whatever the notebook does with its own."""
+    return name in _LAUNCH_NAMES or name.startswith(_LAUNCH_PREFIXES)
+
+
+def follow_the_caller(caller: dict[str, Any]) -> None:
+    """Before a cell: the notebook's folder, ``sys.path`` and environment changes (``%cd``,
+    ``os.environ[...] = ``, ``sys.path.append``), as a one-off call's fresh ranks would start."""
+    cwd = caller.get("cwd")
+    if cwd and os.path.isdir(cwd):  # on another node of a cluster it may not exist: left as it is
+        os.chdir(cwd)
+    if caller.get("sys_path"):
+        sys.path[:] = caller["sys_path"]
+    for name, value in caller.get("env", {}).items():
+        if not kept_by_the_ranks(name):
+            os.environ[name] = value
+    for name in caller.get("unset", []):
+        if not kept_by_the_ranks(name):
+            os.environ.pop(name, None)
 
 
 def _answer(fd: int, message: dict[str, Any]) -> None:
