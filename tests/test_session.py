@@ -296,3 +296,21 @@ def test_each_cell_follows_the_notebooks_folder_environment_and_sys_path(ip, ses
     monkeypatch.delenv("AFTER_START")
     result, out = cell(ip, "import os\nos.environ.get('AFTER_START', 'gone')", "--display none")
     assert result == ["gone", "gone"] and "MASTER_PORT" not in out.stderr  # said once
+
+
+class Box:
+    def __init__(self, v):
+        self.v = v
+
+
+def test_an_object_changed_in_place_in_the_notebook_is_sent_again(ip, session):
+    ip.user_ns["Box"] = Box
+    cell(ip, "b = Box(1)", "--display none")  # made in the ranks, brought back
+    assert ip.user_ns["b"].v == 1
+    ip.run_cell("b.v = 100")  # changed here, in place: the same object
+    values, _ = cell(ip, "b.v", "--display none")
+    assert values == [100, 100]
+    cell(ip, "b.v += 1", "--display none")  # changed in the ranks: theirs wins, and comes back
+    assert ip.user_ns["b"].v == 101
+    values, _ = cell(ip, "b.v", "--display none")  # unchanged here since: the ranks' own is used
+    assert values == [101, 101]

@@ -94,6 +94,14 @@ class _Cell:
     logged: bool = False  # its MLflow step is queued (at its end, or as the session ended under it)
 
 
+def _digest(value: Any) -> bytes | None:
+    """The value's data fingerprint (as one-off cells compare them), None when it cannot be taken."""
+    try:
+        return serialization.fingerprint(value)
+    except Exception:  # noqa: BLE001 - unpicklable: kept by identity alone, as before
+        return None
+
+
 def active() -> Session | None:
     """The session ``%%distributed`` cells run in now (None: cells start fresh ranks)."""
     with _active_lock:
@@ -169,6 +177,7 @@ class Session:
         # name -> the notebook's object for it when a cell last bound it in the ranks (the copy that came
         # back, the stale one a failed pull-back left, or _ABSENT): not sent again while it is the same
         self._held: dict[str, Any] = {}
+        self._held_digest: dict[str, bytes | None] = {}  # their data fingerprints then (None: not taken)
         # The notebook's environment when the ranks started: each cell brings the changes since.
         self._env_at_start = dict(os.environ)
         self._kept_said: set[str] = set()  # names whose change the ranks do not follow, said once
@@ -313,17 +322,24 @@ class Session:
     # -- names between the notebook and the ranks ------------------------------------------
 
     def held_by_ranks(self, name: str, value: Any) -> bool:
-        """The ranks have their own ``name``, and the notebook has not rebound it since a cell bound it
-        there (its value is the copy that came back, or what it held then)."""
-        return name in self._held and self._held[name] is value
+        """The ranks have their own ``name``, and the notebook has neither rebound it since a cell bound
+        it there (its value is the copy that came back, or what it held then) nor changed it in place
+        (``b.v = 100`` in the notebook: its data fingerprint differs, so the cell sends it again)."""
+        if name not in self._held or self._held[name] is not value:
+            return False
+        digest = self._held_digest.get(name)
+        return digest is None or _digest(value) == digest
 
     def note_held(self, names: dict[str, Any]) -> None:
         """``name -> the notebook's value now`` for names a cell bound in the ranks (_ABSENT: none)."""
         self._held.update(names)
+        for name, value in names.items():
+            self._held_digest[name] = None if value is _ABSENT else _digest(value)
 
     def forget(self, names: list[str]) -> None:
         for name in names:
             self._held.pop(name, None)
+            self._held_digest.pop(name, None)
 
     # -- one cell ---------------------------------------------------------------------------
 
