@@ -150,6 +150,7 @@ def test_a_crashed_rank_ends_the_session_with_a_clear_message(ip, session):
     assert _gone(pids)
     _, out = line(ip, "session status")  # the last session, and how it ended
     assert f"session {session.id}: ended" in out.stdout and "SIGKILL" in out.stdout, out.stdout
+    assert "resident" not in out.stdout and "rank 1: pid" in out.stdout, out.stdout  # no memory of the dead
 
 
 @fault("a session cell runs past its timeout", "stacks and last lines; interrupted; the session goes on")
@@ -162,6 +163,9 @@ def test_a_hanging_cell_hits_its_timeout_and_the_session_recovers(ip, session):
     assert persistent.active() is session
     values, _ = cell(ip, "'alive'")
     assert values == ["alive", "alive"]
+    with pytest.raises(TimeoutError) as quiet:  # prints nothing: nothing of the earlier cells is quoted
+        cell(ip, "import time\ntime.sleep(60)", "--timeout 2")
+    assert "waiting" not in str(quiet.value) and "(nothing printed)" in str(quiet.value), str(quiet.value)
 
 
 @fault(

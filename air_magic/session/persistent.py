@@ -172,7 +172,8 @@ class Session:
         self._run_started: RunStarted | None = None
         self._pids: dict[int, int] = {}
         self._memory: dict[int, dict[str, int]] = {}
-        self._tails: list[RankTail] = []
+        self._tails: list[RankTail] = []  # each rank's last lines of the cell running (new per cell)
+        self._ended_ranks: dict[int, str] = {}  # rank -> how it ended (status shows no memory for it)
         self._sender: CellSender | None = None  # the backend's line to the ranks (connect())
         # name -> the notebook's object for it when a cell last bound it in the ranks (the copy that came
         # back, the stale one a failed pull-back left, or _ABSENT): not sent again while it is the same
@@ -312,7 +313,10 @@ class Session:
             lines.append(f"  ended: {self.ended_why}")
         for rank in range(self.world_size):
             pid = self._pids.get(rank)
-            lines.append(f"  rank {rank}: pid {pid}, {memory_words(self._memory.get(rank))}")
+            if rank in self._ended_ranks:
+                lines.append(f"  rank {rank}: pid {pid}, ended ({self._ended_ranks[rank]})")
+            else:
+                lines.append(f"  rank {rank}: pid {pid}, {memory_words(self._memory.get(rank))}")
         if self.log_dir:
             lines.append(f"  logs: {self.log_dir}")
         if self.record is not None:
@@ -388,6 +392,8 @@ class Session:
         for rank, pid in sorted(self._pids.items()):
             cell.bus.emit(RankStarted(rank=rank, pid=pid))
         self._track_cell_source(number, kind, source)
+        # The cell's own last lines: an error of this cell never quotes what an earlier one printed.
+        self._tails = [RankTail() for _ in range(self.world_size)]
         outcome, error = "failed", None
         sent = False
         try:
@@ -719,6 +725,8 @@ class Session:
             self._pids[event.rank] = event.pid
         elif isinstance(event, RankOutput):
             self._tails[event.rank].add(event.text)
+        elif isinstance(event, RankExited):
+            self._ended_ranks[event.rank] = event.reason or event.state.value
         elif isinstance(event, Tick):
             return  # the cell's own ticks come from the caller's thread
         with self._lock:
