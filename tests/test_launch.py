@@ -351,3 +351,20 @@ def test_the_quickstart_example_trains_one_model(tmp_path):
     done = subprocess.run([sys.executable, example], capture_output=True, text=True, timeout=110)
     assert done.returncode == 0, done.stderr
     assert "[rank 0] epoch 5/5" in done.stdout and "OK: 2 ranks trained one model" in done.stdout
+
+
+def test_a_call_stopped_while_starting_is_listed_with_its_outcome(tmp_path, monkeypatch):
+    import json
+
+    from air_magic.session import history
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt  # as Ctrl-C lands while the store imports torch
+
+    monkeypatch.setattr("air_magic.backends.local.backend.RendezvousStore", interrupted)
+    fn = distributed(num_accelerators=2, display="none", tracking=False, log_dir=str(tmp_path))(lambda: 1)
+    with pytest.raises(KeyboardInterrupt):
+        fn.distributed()
+    (summary,) = history.read_summaries(str(tmp_path))
+    assert summary["outcome"] == "interrupted" and summary["world_size"] == 2 and summary["name"].endswith("<lambda>")
+    assert json.loads(Path(summary["log_dir"], "run.json").read_text())["outcome"] == "interrupted"

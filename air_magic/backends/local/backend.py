@@ -23,6 +23,7 @@ import os
 import shutil
 import sys
 import threading
+import time
 
 from air_magic import private_files
 from air_magic.backends.local import warm
@@ -33,7 +34,7 @@ from air_magic.launch.accelerators import AcceleratorPlan, plan_accelerators
 from air_magic.launch.request import LaunchRequest, RunResult, new_run_id
 from air_magic.launch.settings import LaunchSettings
 from air_magic.protocol import wire
-from air_magic.protocol.events import EventBus
+from air_magic.protocol.events import EventBus, RunFinished, RunStarted
 
 
 class LocalBackend:
@@ -58,24 +59,54 @@ class LocalBackend:
         private_files.sweep_dead_callers()
         run_id = request.run_id or new_run_id()
         log_dir = make_log_dir(request.log_root, run_id)
-        run_dir = private_files.private_tempdir(run_id)  # 0700, named after this caller for the sweep
+        plan = request.plan
+        started = time.monotonic()
+        # At once: the folder's run.json says what runs from its first moment (`air-magic runs`).
+        bus.emit(
+            RunStarted(
+                run_id=run_id,
+                world_size=plan.world_size,
+                backend=plan.backend,
+                detected=plan.detected,
+                cpu_mode=plan.cpu_mode,
+                log_dir=log_dir,
+                name=request.name,
+            )
+        )
+        executing = False  # from then on the loop says how the call ended
         try:
-            write_call_files(run_dir, request.payload)
-            store = RendezvousStore(request.plan.world_size)
+            run_dir = private_files.private_tempdir(run_id)  # 0700, named after this caller for the sweep
             try:
-                place = CallPlace(run_id, run_dir, log_dir, store.port)
-                loop = CallLoop(
-                    request, bus, place, warm_start=self.warm_start, stop_requested=self._stop_requested
-                )
-                self._loop = loop
+                write_call_files(run_dir, request.payload)
+                store = RendezvousStore(plan.world_size)  # may import torch: seconds
                 try:
-                    return loop.execute()
+                    place = CallPlace(run_id, run_dir, log_dir, store.port)
+                    loop = CallLoop(
+                        request, bus, place, warm_start=self.warm_start, stop_requested=self._stop_requested
+                    )
+                    self._loop = loop
+                    try:
+                        executing = True
+                        return loop.execute()
+                    finally:
+                        self._loop = None
                 finally:
-                    self._loop = None
+                    store.close()
             finally:
-                store.close()
-        finally:
-            shutil.rmtree(run_dir, ignore_errors=True)
+                shutil.rmtree(run_dir, ignore_errors=True)
+        except BaseException as exc:
+            if not executing:  # stopped or failed while starting: still recorded as ended
+                bus.emit(
+                    RunFinished(
+                        run_id=run_id,
+                        outcome="interrupted" if isinstance(exc, KeyboardInterrupt) else "failed",
+                        elapsed=time.monotonic() - started,
+                        log_dir=log_dir,
+                        error=f"{type(exc).__name__}: {exc}",
+                        failed_rank=None,
+                    )
+                )
+            raise
 
     def stop(self) -> None:
         self._stop_requested.set()

@@ -42,7 +42,6 @@ from air_magic.protocol.events import (
     RankStarted,
     RankState,
     RunFinished,
-    RunStarted,
     Tick,
 )
 
@@ -106,18 +105,7 @@ class CallLoop:
     # -- the whole call ----------------------------------------------------------------
 
     def execute(self) -> RunResult:
-        plan = self.request.plan
-        self.bus.emit(
-            RunStarted(
-                run_id=self.run_id,
-                world_size=self.world,
-                backend=plan.backend,
-                detected=plan.detected,
-                cpu_mode=plan.cpu_mode,
-                log_dir=self.log_dir,
-                name=self.request.name,
-            )
-        )
+        """Run the call (its RunStarted was emitted by the backend as its log folder was made)."""
         lifeline_r, lifeline_w = os.pipe()
         outcome = "failed"
         error: BaseException | None = None
