@@ -366,5 +366,6 @@ def test_a_call_stopped_while_starting_is_listed_with_its_outcome(tmp_path, monk
     with pytest.raises(KeyboardInterrupt):
         fn.distributed()
     (summary,) = history.read_summaries(str(tmp_path))
-    assert summary["outcome"] == "interrupted" and summary["world_size"] == 2 and summary["name"].endswith("<lambda>")
+    assert summary["outcome"] == "interrupted" and summary["world_size"] == 2
+    assert summary["name"].endswith("<lambda>")
     assert json.loads(Path(summary["log_dir"], "run.json").read_text())["outcome"] == "interrupted"
