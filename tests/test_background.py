@@ -304,3 +304,33 @@ def test_a_scripts_end_stops_its_background_runs_with_a_line_and_a_killed_run(st
     assert summary["outcome"] == "interrupted" and summary["world_size"] == 2
     run = store.get_run(summary["mlflow_run_id"])
     assert run.info.status == "KILLED" and "stopped before it finished" in run.data.tags["air_magic.error"]
+
+
+def test_the_magics_say_a_background_run_is_starting(ip, capsys, monkeypatch):
+    import threading
+
+    from air_magic.session.call import PreparedCall
+
+    gate = threading.Event()
+    original = PreparedCall.run
+
+    def held(self, *args, **kwargs):  # as while its MLflow run is being made
+        gate.wait(60)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(PreparedCall, "run", held)
+    fn = air_magic.distributed(num_accelerators=2, display="none", tracking=False)(lambda: 1)
+    handle = fn.distributed_async()
+    try:
+        capsys.readouterr()
+        for what in ("status", "logs 0", "stack"):
+            ip.run_line_magic("distributed", what)
+            out = capsys.readouterr().out
+            assert "is starting in the background" in out and "no run yet" not in out, (what, out)
+    finally:
+        gate.set()
+    assert handle.result(timeout=120) == [1, 1]
+    capsys.readouterr()
+    ip.run_line_magic("distributed", "status")
+    out = capsys.readouterr().out
+    assert "rank 1: succeeded (exit status 0)" in out and "None" not in out, out

@@ -473,6 +473,9 @@ def _newest_background() -> background.RunHandle:
 
 def _stack(args: list[str]) -> Any:
     handle = _newest_background()
+    if handle.status == "starting":
+        print(_starting() or f"air_magic: {handle.name} is starting")
+        return None
     dump = handle.stacks()
     if args:
         try:
@@ -526,16 +529,33 @@ def _cancel(args: list[str]) -> None:
     print(f"air_magic: {handle.name} {'cancelled; every rank is gone' if ended else 'is still stopping'}")
 
 
+def _starting() -> str | None:
+    """A line for a background run of this kernel still starting (no log folder, no ranks yet)."""
+    starting = [h for h in background.running() if h.status == "starting"]
+    if not starting:
+        return None
+    handle = max(starting, key=lambda h: h.started)
+    return (
+        f"air_magic: {handle.name} is starting in the background (its MLflow run and ranks are on "
+        "their way); ask again in a moment"
+    )
+
+
 def _status() -> None:
     info = history.last_run()
+    starting = _starting()
+    if starting is not None:
+        print(starting)
     if info is None:
-        print("air_magic: no run yet in this kernel")
+        if starting is None:
+            print("air_magic: no run yet in this kernel")
         return
     took = "" if info.elapsed is None else f" in {info.elapsed:.1f} s"
     print(f"{info.name}: {info.outcome}{took}; {info.world_size} rank(s); logs: {info.log_dir}")
     for rank in range(info.world_size):
         state = info.rank_states.get(rank, "running")
-        print(f"  rank {rank}: {state} (exit code {info.rank_exit_codes.get(rank)})")
+        code = info.rank_exit_codes.get(rank)
+        print(f"  rank {rank}: {state}" + ("" if code is None else f" (exit status {code})"))
     if info.error:
         print(f"  error: {info.error.splitlines()[0]}")
     if info.tracking:
@@ -545,7 +565,7 @@ def _status() -> None:
 def _logs(args: list[str]) -> None:
     info = history.last_run()
     if info is None:
-        print("air_magic: no run yet in this kernel")
+        print(_starting() or "air_magic: no run yet in this kernel")
         return
     if not args:
         print(info.log_dir)
