@@ -61,6 +61,16 @@ class UsageError(Exception):
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # `air-magic runs | head`: the reader has what it wanted
+        # Python would complain again when it flushes stdout at exit: point it at nothing.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+
+
+def _main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = _parser()
     if not argv or argv[0] in ("-h", "--help"):
@@ -266,19 +276,28 @@ def _runs(argv: list[str]) -> int:
     summaries = history.read_summaries(args.log_dir or paths.default_log_root())
     listed = {s["run_id"] for s in summaries}
     supervised = {run.id: run for run in detached.runs()}
+    rows: list[tuple[str, str]] = []  # (run id, line): ids begin with the time, so they sort by age
     for run in supervised.values():  # a detached run whose ranks have not started has no log folder yet
         if args.log_dir is None and run.id not in listed and run.status in ("starting", "lost"):
-            print(f"{run.id}  {run.status:<11} {run.world_size!s:>3} rank(s) {'':>9}  {run.name}  (detached)")
-    for summary in summaries[: args.n]:
+            rows.append(
+                (
+                    run.id,
+                    f"{run.id}  {run.status:<11} {run.world_size!s:>3} rank(s) {'':>9}  {run.name}  (detached)",
+                )
+            )
+    for summary in summaries:
         if summary["run_id"] in supervised:  # its supervisor knows best: 'cancelled', 'lost' (it died)
             summary["outcome"] = supervised[summary["run_id"]].status
         took = summary.get("elapsed")
         took_text = "" if took is None else f"{took:.1f} s"
         outcome, ranks = summary.get("outcome", "?"), summary.get("world_size", "?")
-        print(
+        line = (
             f"{summary['run_id']}  {outcome:<11} {ranks!s:>3} rank(s) {took_text:>9}  "
             f"{summary.get('name', '?')}  {summary.get('log_dir', '')}"
         )
+        rows.append((summary["run_id"], line))
+    for _, line in sorted(rows, reverse=True)[: args.n]:
+        print(line)
     return 0
 
 
@@ -400,7 +419,11 @@ def _cancel(argv: list[str]) -> int:
     parser.add_argument("run", metavar="RUN", help="its id (or the start of it)")
     parser.error = _usage_error  # type: ignore[method-assign]
     args = parser.parse_args(argv)
-    handle = detached.attach(args.run, display="none")
+    run = detached.find(args.run)
+    if run.status == "lost":  # its supervisor died (and its ranks with it): nothing left to stop
+        print(f"air-magic: run {run.id} was lost (its supervisor died, its ranks with it); nothing to cancel")
+        return 0
+    handle = detached.attach(run, display="none")
     if handle.done():
         print(f"air-magic: run {handle.detached_id} had already ended ({handle.status})")
         return 0

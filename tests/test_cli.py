@@ -555,3 +555,53 @@ def test_a_failure_shows_the_users_frames_once_and_sys_exit_no_traceback(project
     assert exited.returncode == 3
     assert "ScriptExit" not in exited.stderr and "Traceback" not in exited.stderr, exited.stderr
     assert exited.stderr.strip().splitlines()[-1] == "air-magic: exit status 3"
+
+
+def test_runs_into_a_closed_pipe_and_in_time_order(project, tmp_path):
+    logs = tmp_path / "logs"
+    for _ in range(2):
+        assert air_magic(project, "--log-dir", str(logs), "-n", "1", "endings.py", "none").returncode == 0
+    listed = invoke("runs", "--log-dir", str(logs)).stdout.splitlines()
+    ids = [line.split()[0] for line in listed]
+    assert len(ids) == 2 and ids == sorted(ids, reverse=True)  # newest first
+    read, write = os.pipe()
+    os.close(read)  # as `air-magic runs | head -0`: the reader is gone
+    try:
+        closed = subprocess.run(
+            [*command(), "runs", "--log-dir", str(logs)],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=environment(),
+            timeout=60,
+        )
+    finally:
+        os.close(write)
+    assert "Traceback" not in closed.stderr and "BrokenPipeError" not in closed.stderr, closed.stderr
+
+
+def test_cancel_of_a_lost_run_says_it_was_lost(project, tmp_path):
+    script = tmp_path / "forever.py"
+    script.write_text("import time\nwhile True:\n    time.sleep(0.1)\n")
+    started = air_magic(project, "--detach", "-n", "2", str(script))
+    run_id = started.stdout.split("detached run ")[1].split()[0]
+    deadline = time.monotonic() + 60
+    while "running" not in invoke("runs", cwd=project).stdout.split(run_id)[1].splitlines()[0]:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    import air_magic as am
+
+    (run,) = [r for r in am.runs() if r.id == run_id]
+    os.kill(run.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while [r.status for r in am.runs() if r.id == run_id] != ["lost"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    cancelled = invoke("cancel", run_id, cwd=project)
+    assert (
+        cancelled.returncode == 0 and "was lost" in cancelled.stdout and "cancelled" not in cancelled.stdout
+    )
+    from conftest import _reap_zombies
+
+    _reap_zombies()  # the killed supervisor was re-parented to pytest (a subreaper)
+    assert air_magic(project, "-n", "1", "endings.py", "none").returncode == 0  # sweeps its call folder

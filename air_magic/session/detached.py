@@ -248,6 +248,11 @@ def _cell_values(result: RunResult) -> list[Any]:
     return [serialization.loads(o.value) if o.value is not None else None for o in result.unwrap()]
 
 
+def find(run: str | DetachedRun | None) -> DetachedRun:
+    """The detached run ``run`` names (its id or the start of it; None: the newest running)."""
+    return _find(run)
+
+
 def _find(run: str | DetachedRun | None) -> DetachedRun:
     if isinstance(run, DetachedRun):
         return run
