@@ -282,7 +282,8 @@ def _runs(argv: list[str]) -> int:
             rows.append(
                 (
                     run.id,
-                    f"{run.id}  {run.status:<11} {run.world_size!s:>3} rank(s) {'':>9}  {run.name}  (detached)",
+                    f"{run.id}  {run.status:<11} {run.world_size!s:>3} rank(s) {'':>9}  "
+                    f"{run.name}  (detached)",
                 )
             )
     for summary in summaries:
