@@ -318,3 +318,17 @@ def test_an_object_changed_in_place_in_the_notebook_is_sent_again(ip, session):
     assert ip.user_ns["b"].v == 101
     values, _ = cell(ip, "b.v", "--display none")  # unchanged here since: the ranks' own is used
     assert values == [101, 101]
+
+
+def test_a_session_with_a_failed_cell_is_not_listed_as_succeeded(ip, session):
+    import json
+    from pathlib import Path
+
+    cell(ip, "1")
+    with pytest.raises(ZeroDivisionError):
+        cell(ip, "1 / 0")
+    cell(ip, "2")
+    session.stop(quiet=True)
+    summary = json.loads(Path(session.log_dir, "run.json").read_text())
+    assert summary["outcome"] == "failed", summary
+    assert "1 of 3 cell(s) failed; the first, cell 2: ZeroDivisionError" in summary["error"]

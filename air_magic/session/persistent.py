@@ -59,7 +59,7 @@ from air_magic.protocol.events import (
     SessionState,
     Tick,
 )
-from air_magic.session import call
+from air_magic.session import call, history
 from air_magic.session.history import RunHistory
 from air_magic.worker import cell_runner, session_rank
 
@@ -174,6 +174,7 @@ class Session:
         self._memory: dict[int, dict[str, int]] = {}
         self._tails: list[RankTail] = []  # each rank's last lines of the cell running (new per cell)
         self._ended_ranks: dict[int, str] = {}  # rank -> how it ended (status shows no memory for it)
+        self._failed_cells: list[tuple[int, str]] = []  # (cell, why), for the session's own outcome
         self._sender: CellSender | None = None  # the backend's line to the ranks (connect())
         # name -> the notebook's object for it when a cell last bound it in the ranks (the copy that came
         # back, the stale one a failed pull-back left, or _ABSENT): not sent again while it is the same
@@ -594,6 +595,8 @@ class Session:
             )
         )
         self._log_step_once(cell, outcome)
+        if cell.number and outcome != "succeeded":
+            self._failed_cells.append((cell.number, f"{type(error).__name__}: {error}" if error else outcome))
 
     def _drain_queue(self, cell: _Cell) -> None:
         if self._thread is not None:
@@ -731,6 +734,15 @@ class Session:
             return  # the cell's own ticks come from the caller's thread
         with self._lock:
             current = self._current
+        if isinstance(event, RunFinished) and event.outcome == "succeeded" and self._failed_cells:
+            # Its ranks ended well, but not every cell did: `air-magic runs` must not say succeeded.
+            first, why = self._failed_cells[0]
+            history.amend(
+                self.id,
+                outcome="failed",
+                error=f"{len(self._failed_cells)} of {self.cells} cell(s) failed; "
+                f"the first, cell {first}: {why}",
+            )
         if isinstance(event, RunFinished) and current is not None:
             # The session ends under a cell: its step goes in before the run's end (queued next,
             # on this thread), which the cell's own end, on the caller's thread, comes after.
