@@ -332,3 +332,14 @@ def test_a_session_with_a_failed_cell_is_not_listed_as_succeeded(ip, session):
     summary = json.loads(Path(session.log_dir, "run.json").read_text())
     assert summary["outcome"] == "failed", summary
     assert "1 of 3 cell(s) failed; the first, cell 2: ZeroDivisionError" in summary["error"]
+
+
+def test_leaving_a_session_held_by_a_non_daemon_thread_says_why(ip, session, capsys):
+    pids = list(session._pids.values())
+    cell(ip, "import threading, time\nthreading.Thread(target=time.sleep, args=(600,)).start()")
+    capsys.readouterr()
+    session.stop(wait_s=4)
+    err = capsys.readouterr().err
+    assert "still ending 2 s after the stop (a thread that is not a daemon" in err, err
+    assert "stacks.txt" in err and "they are stopped at 4 s" in err
+    assert _gone(pids)

@@ -66,6 +66,8 @@ from air_magic.worker import cell_runner, session_rank
 PEER_GRACE_S = 1.0  # after a rank's error, how long the others get to end the cell on their own
 RECOVER_S = 3.0  # after SIGINT, how long a rank gets to report the interrupt before the session ends
 STOP_WAIT_S = 10.0  # `session stop`: how long the ranks get to end on their own before they are stopped
+SLOW_STOP_S = 2.0  # after this long, a stop that waits on its ranks says why
+END_GRACE_S = 1.0  # when the session's ranks are stopped at last: SIGINT, then SIGKILL after this
 _TICK_S = 0.2
 
 _ABSENT = object()  # a name the notebook did not have when a cell bound it in the ranks
@@ -213,7 +215,9 @@ class Session:
                 "(%distributed session stop, or session.stop())"
             )
         func = session_rank.serve
-        settings = dataclasses.replace(self.settings, timeout=None)  # the cells have the timeouts
+        # The cells have the timeouts. The call's own stop comes only once the session has given its
+        # ranks their chance (a stop's wait, an interrupt's recovery): then a short grace.
+        settings = dataclasses.replace(self.settings, timeout=None, stop_grace=END_GRACE_S)
         # Named with its id: the run's name, and what a call refused its GPUs is told holds them.
         prepared = call.prepare_call(
             f"{self.name} {self.id}", func, inspect.signature(func).bind(), settings, kind="session"
@@ -278,12 +282,37 @@ class Session:
         self.ended_why = self.ended_why or "stopped"
         if self._sender is not None:
             self._sender.send_stop()
-        self._thread.join(wait_s)
-        if self._thread.is_alive():
+        self._thread.join(min(wait_s, SLOW_STOP_S))
+        if self._thread.is_alive() and wait_s > SLOW_STOP_S:
+            self._say_why_slow(wait_s)
+            self._thread.join(wait_s - SLOW_STOP_S)
+        stopped = self._thread.is_alive()
+        if stopped:
             self._stop_ranks()
         self.state = "ended"
         if not quiet:
-            print(f"air_magic: session {self.id} stopped; every rank is gone")
+            how = f"stopped after {wait_s:g} s" if stopped else "every rank is gone"
+            print(f"air_magic: session {self.id} stopped; {how}")
+
+    def _say_why_slow(self, wait_s: float) -> None:
+        """Ranks that have not ended SLOW_STOP_S after the stop: usually a thread that is not a daemon
+        (Python waits for it before a process ends). Said, with their stacks, not waited in silence."""
+        left = sorted(r for r in self._pids if r not in self._ended_ranks)
+        where = ""
+        prepared = self._prepared
+        if prepared is not None and self.log_dir:
+            try:
+                prepared.backend.stacks()  # every thread of every rank, into stacks.txt
+                where = f"; their threads' stacks: {os.path.join(self.log_dir, paths.STACKS_FILE)}"
+            except Exception:  # noqa: BLE001 - a help only
+                where = ""
+        print(
+            f"air_magic: session {self.id}: rank(s) {', '.join(map(str, left)) or '?'} still ending "
+            f"{SLOW_STOP_S:g} s after the stop (a thread that is not a daemon keeps Python from "
+            f"exiting); they are stopped at {wait_s:g} s{where}",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def restart(self) -> Session:
         """Stop this session and start a new one with the same settings (the new one is returned)."""
