@@ -369,3 +369,24 @@ def test_a_call_stopped_while_starting_is_listed_with_its_outcome(tmp_path, monk
     assert summary["outcome"] == "interrupted" and summary["world_size"] == 2
     assert summary["name"].endswith("<lambda>")
     assert json.loads(Path(summary["log_dir"], "run.json").read_text())["outcome"] == "interrupted"
+
+
+def test_a_deleted_working_folder_is_said_before_launch(tmp_path):
+    import subprocess
+
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    code = (
+        "import os, air_magic\nos.chdir(os.environ['GONE'])\nos.rmdir(os.environ['GONE'])\n"
+        "try:\n    air_magic.distributed(num_accelerators=2, display='none', tracking=False)(lambda: 1)"
+        ".distributed()\nexcept air_magic.ConfigurationError as exc:\n    print('refused:', exc)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "GONE": str(gone)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "refused: <lambda>: this process's working folder no longer exists" in done.stdout, done.stderr
+    assert "MKL" not in done.stderr

@@ -131,6 +131,14 @@ def prepare_call(
             f"{name}.distributed() was called inside rank {os.environ.get('RANK', '?')} of run {inside}: "
             "a rank cannot start ranks of its own. Call the function directly there (fn.func(...))."
         )
+    try:
+        os.getcwd()
+    except FileNotFoundError:  # torch itself fails to load there (a bare "oneMKL FATAL ERROR")
+        raise ConfigurationError(
+            f"{name}: this process's working folder no longer exists (it was deleted after this "
+            "kernel or script started in it); ranks start in the caller's folder. Change to one that "
+            "exists first (%cd ~ in a notebook, os.chdir(...)); nothing was launched."
+        ) from None
     if background and settings.cluster is not None:
         raise ConfigurationError(
             f"{name}: background runs are on this machine only for now (cluster=None); on a Ray "
