@@ -486,3 +486,22 @@ def test_fewer_files_than_ranks_with_drop_last_is_refused_not_an_empty_epoch():
     with pytest.raises(ValueError, match="no rank gets a file"):
         sharding.rank_share(list(range(2)), 0, 3, drop_last=True)
     assert sharding.rank_share(list(range(2)), 2, 3, drop_last=False) == [0]
+
+
+def test_a_loader_state_resumes_with_the_saved_workers_when_left_to_the_default(files, monkeypatch):
+    from air_magic.data import DataLoader, VolumeDataset
+
+    def loader(workers):
+        return DataLoader(VolumeDataset(str(files), pattern="*.bin"), batch_size=None, num_workers=workers)
+
+    first = loader(2)
+    it = iter(first)
+    taken = [next(it) for _ in range(3)]
+    state = first.state_dict()
+    rest = list(it)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "64")  # another machine: its default share is 0 workers
+    resumed = loader(None)
+    resumed.load_state_dict(state)
+    assert resumed.num_workers == 2 and list(resumed) == rest and len(taken) + len(rest) == N_FILES
+    with pytest.raises(ValueError, match="saved by a loader with num_workers=2; this one has num_workers=1"):
+        loader(1).load_state_dict(state)

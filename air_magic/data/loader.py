@@ -9,6 +9,11 @@ The loading itself is torchdata's (workers, prefetch, pinning, and a
   the same number of batches whatever its number of workers;
 - worker states travel to the loader every :data:`SNAPSHOT_EVERY_N_STEPS`
   batches, not every batch (exact all the same: see below);
+- a state resumes on a machine with another number of cores: a loader whose
+  ``num_workers`` was left to the default takes the saved state's number of
+  workers (torchdata resumes only with the same split of the work); one given
+  another number explicitly is refused in words, not with torchdata's bare
+  ``AssertionError`` at the first batch;
 - ``multiprocessing_context`` ``"fork"``, ``"forkserver"`` and ``"spawn"`` all
   work in warm-started ranks as in fresh ones (tested);
 - the seed's timing metrics, per rank, to the call's tracked run: the mean
@@ -65,6 +70,7 @@ class DataLoader(_stateful.StatefulDataLoader):  # type: ignore[name-defined]
         snapshot_every_n_steps: int = SNAPSHOT_EVERY_N_STEPS,
         **kwargs: Any,
     ):
+        self._workers_chosen = num_workers is not None  # else a saved state's number may replace it
         if num_workers is None:
             num_workers = default_num_workers()
         kwargs["snapshot_every_n_steps"] = snapshot_every_n_steps
@@ -84,6 +90,21 @@ class DataLoader(_stateful.StatefulDataLoader):  # type: ignore[name-defined]
         self.metrics_every_s = metrics_every_s
         self._timer = _Timer(int(os.environ.get("RANK", "0")), metrics_every_s)
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved = saved_workers(state_dict)
+        if saved is not None and saved != self.num_workers:
+            if self._workers_chosen:
+                raise ValueError(
+                    f"air_magic.data: this loader state was saved by a loader with num_workers={saved}; "
+                    f"this one has num_workers={self.num_workers}. torchdata resumes a position only with "
+                    f"the same workers: pass num_workers={saved} (or leave it out to take the state's)"
+                )
+            # The default is this machine's share of cores: the saved split wins (resumed exactly).
+            self.num_workers = saved
+            if saved > 0 and self.prefetch_factor is None:
+                self.prefetch_factor = 2  # torch's default with workers
+        super().load_state_dict(state_dict)
+
     def __iter__(self) -> Iterator[Any]:
         pending = getattr(self, "next_iter_state", None)  # a loaded state, for the next iteration
         if pending is not None and isinstance(self.dataset, VolumeDataset):
@@ -94,6 +115,19 @@ class DataLoader(_stateful.StatefulDataLoader):  # type: ignore[name-defined]
                 # an empty pass when the state was taken after its last batch).
                 self.next_iter_state = None
         return _Timed(super().__iter__(), self._timer)
+
+
+def saved_workers(state: Any) -> int | None:
+    """How many workers the loader that saved ``state`` had (None: not a loader state we know)."""
+    if not isinstance(state, dict) or not state:
+        return None
+    if "_num_workers" in state:
+        return int(state["_num_workers"])
+    for value in state.values():
+        found = saved_workers(value) if isinstance(value, dict) else None
+        if found is not None:
+            return found
+    return 0 if "_num_yielded" in state else None  # a single-process loader's state
 
 
 def saved_epochs(state: Any) -> list[int]:
