@@ -220,3 +220,12 @@ def test_the_cell_compiles_without_air_magics_future_flags(ip):
         ip, "-n 2 --display none", "def typed(x: int):\n    pass\ntyped.__annotations__['x'] is int\n"
     )
     assert result == [True, True]
+
+
+def test_ipythons_own_builtins_like_open_are_left_to_the_ranks_silently(ip, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "x.txt").write_text("hi")
+    assert "open" in ip.user_ns_hidden  # IPython's own open, in every kernel
+    values, captured = cell(ip, "-n 2 --display none", "len(open('x.txt').read())\n")
+    assert values == [2, 2]
+    assert "not sent" not in captured.stdout, captured.stdout

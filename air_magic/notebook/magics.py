@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import builtins
 import inspect
 import linecache
 import types
@@ -347,7 +348,8 @@ def _capture(
             continue  # a builtin, or a NameError the rank will report
         value = shell.user_ns[name]
         if name in hidden and hidden[name] is value:
-            skipped.append(name)
+            if not hasattr(builtins, name):  # IPython's own open, exit...: the ranks have Python's
+                skipped.append(name)
         elif isinstance(value, types.ModuleType):
             modules[name] = value.__name__
         else:
