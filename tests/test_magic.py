@@ -229,3 +229,9 @@ def test_ipythons_own_builtins_like_open_are_left_to_the_ranks_silently(ip, tmp_
     values, captured = cell(ip, "-n 2 --display none", "len(open('x.txt').read())\n")
     assert values == [2, 2]
     assert "not sent" not in captured.stdout, captured.stdout
+
+
+def test_pull_of_a_name_the_ranks_do_not_have_is_said(ip):
+    _, captured = cell(ip, "-n 2 --display none --pull made,nothere", "made = 1\n")
+    assert ip.user_ns["made"] == 1
+    assert "--pull nothere: rank 0 has no such name after the cell" in captured.stdout, captured.stdout

@@ -151,6 +151,7 @@ class DistributedMagics(Magics):
                 imported=set(_imported(tree)),
                 deleted=deleted,
                 session=live,
+                asked=pull if args.pull is not None else [],
             )
 
         if live is not None:
@@ -384,8 +385,11 @@ def _bring_back(
     imported: set[str],
     deleted: set[str],
     session: persistent.Session | None = None,
+    asked: list[str] | None = None,
 ) -> Any:
     """Put rank 0's names into the notebook; return every rank's last value (None if all are None).
+
+    ``asked``: the names of ``--pull``; one rank 0 does not have after the cell is said, not skipped.
 
     Imported names (star imports included) come back too (by reference) but
     are not listed: the line names the data the cell made or changed.
@@ -416,6 +420,9 @@ def _bring_back(
         print(f"air_magic: {'; '.join(parts)}")
     if failed:
         print("air_magic: not brought back: " + "; ".join(f"{k} ({v})" for k, v in failed.items()))
+    unknown = [n for n in first.missing if n in (asked or []) and n not in gone]
+    if unknown:
+        print(f"air_magic: --pull {', '.join(unknown)}: rank 0 has no such name after the cell")
     info = history.last_run()
     if not ends_with_expression:
         return None
