@@ -505,3 +505,15 @@ def test_a_loader_state_resumes_with_the_saved_workers_when_left_to_the_default(
     assert resumed.num_workers == 2 and list(resumed) == rest and len(taken) + len(rest) == N_FILES
     with pytest.raises(ValueError, match="saved by a loader with num_workers=2; this one has num_workers=1"):
         loader(1).load_state_dict(state)
+
+
+def test_a_file_larger_than_the_cache_is_refused_by_its_name(files, tmp_path):
+    import fsspec
+
+    from air_magic.data.cache import FileCache
+    from air_magic.data.listing import RemoteFile
+
+    big = files / "part" / "f10.bin"
+    cache = FileCache(str(tmp_path / "cache"), max_bytes=50)
+    with pytest.raises(ValueError, match=r"f10\.bin \(110 bytes\) does not fit in the cache .*max_cache_bytes=50"):
+        cache.fetch(fsspec.filesystem("file"), RemoteFile(str(big), "f10.bin", 110, "v1"))

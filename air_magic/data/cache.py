@@ -68,6 +68,12 @@ class FileCache:
                     return final
             if size == 0 and self.max_bytes is not None and not asked:  # the listing did not say (http)
                 size, asked = int(fs.info(file.path).get("size") or 0), True
+            if self.max_bytes is not None and size > self.max_bytes:
+                raise ValueError(
+                    f"air_magic.data: {file.path} ({size} bytes) does not fit in the cache "
+                    f"{self.root} (max_cache_bytes={self.max_bytes}): raise max_cache_bytes above the "
+                    "largest file, or read it without a cache"
+                )
             reserved = self._reserve(name, size)
             if reserved is not None:
                 break
@@ -93,10 +99,6 @@ class FileCache:
 
     def _reserve(self, name: str, size: int) -> tuple[str, int] | None:
         """A part file (and its held lock) to download into, with room for ``size`` bytes; None: wait."""
-        if self.max_bytes is not None and size > self.max_bytes:
-            raise ValueError(
-                f"air_magic.data: a file of {size} bytes does not fit in max_cache_bytes={self.max_bytes}"
-            )
         with self._locked():
             if os.path.exists(os.path.join(self.root, name)):
                 return None  # published meanwhile: the next look finds it
