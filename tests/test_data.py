@@ -515,5 +515,6 @@ def test_a_file_larger_than_the_cache_is_refused_by_its_name(files, tmp_path):
 
     big = files / "part" / "f10.bin"
     cache = FileCache(str(tmp_path / "cache"), max_bytes=50)
-    with pytest.raises(ValueError, match=r"f10\.bin \(110 bytes\) does not fit in the cache .*max_cache_bytes=50"):
+    said = r"f10\.bin \(110 bytes\) does not fit in the cache .*max_cache_bytes=50"
+    with pytest.raises(ValueError, match=said):
         cache.fetch(fsspec.filesystem("file"), RemoteFile(str(big), "f10.bin", 110, "v1"))
