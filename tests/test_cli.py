@@ -605,3 +605,9 @@ def test_cancel_of_a_lost_run_says_it_was_lost(project, tmp_path):
 
     _reap_zombies()  # the killed supervisor was re-parented to pytest (a subreaper)
     assert air_magic(project, "-n", "1", "endings.py", "none").returncode == 0  # sweeps its call folder
+
+
+def test_refusals_speak_the_command_lines_words(project):
+    for args in (["-n", "0", "ddp.py"], ["--timeout", "-3", "ddp.py"]):
+        done = air_magic(project, *args, timeout=60)
+        assert done.returncode == 2 and "None" not in done.stderr, done.stderr

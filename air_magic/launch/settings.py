@@ -59,7 +59,10 @@ def _check_count(value: Any) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < 1:
-        raise ConfigurationError(f"num_accelerators must be a positive integer or None, got {value!r}")
+        raise ConfigurationError(
+            f"num_accelerators must be a whole number of ranks, 1 or more (left out: every visible GPU), "
+            f"got {value!r}"
+        )
     return int(value)
 
 
@@ -78,12 +81,12 @@ def _check_timeout(value: Any) -> float | None:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ConfigurationError(
-            f"timeout must be a number of seconds (or None to disable it), got {value!r}"
+            f"timeout must be a number of seconds (or none: no limit), got {value!r}"
         )
     seconds = float(value)
     if math.isnan(seconds) or math.isinf(seconds) or seconds <= 0:
         raise ConfigurationError(
-            f"timeout must be a finite number of seconds greater than 0 (or None to disable it), "
+            f"timeout must be a finite number of seconds greater than 0 (or none: no limit), "
             f"got {value!r}"
         )
     return seconds
