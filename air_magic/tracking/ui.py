@@ -6,7 +6,7 @@ server's page. With a local store (the embedded sqlite one, or a store of the
 user's that is not a server) the link goes to a UI server over that store:
 
 - **one per store** for this user, shared by every kernel, script and detached run
-  on the machine: ``ui.json`` in the store's UI folder names its keeper
+  on the machine: ``ui-SPACE.json`` in the store's UI folder names its keeper
   (``ui_server.py``: pid, start, pid namespace) and port, read and written under
   ``ui.lock``, so two kernels never start two servers;
 - **started by a call in a Jupyter kernel** (:func:`auto_start_allowed`), never
