@@ -61,3 +61,37 @@ def test_updates_are_batched_in_time():
     assert len(sent) <= 3  # not one update per line
     assert display._screens[0].text().splitlines()[-1] == "line 4999"
     assert display._screens[0].dropped == 4000  # the tab keeps the last 1000 lines
+
+
+def test_only_the_newest_ended_calls_keep_live_widgets(monkeypatch):
+    from air_magic.display import widgets
+
+    class Handle:  # the display id's handle: what the frontend is told to show in place
+        def __init__(self):
+            self.shown = []
+
+        def update(self, bundle, raw=False):
+            self.shown.append(bundle)
+
+    monkeypatch.setattr(widgets, "KEEP_LIVE", 3)
+    monkeypatch.setattr(widgets, "_ended", widgets.collections.deque())
+    displays = []
+    with capture_output():
+        for i in range(5):
+            display = WidgetDisplay()
+            display.handle(RunStarted(f"run-{i}", 2, "gloo", "cpu", True, f"/logs/run-{i}", "cell"))
+            display._handle = Handle()
+            display.handle(RankOutput(0, "stdout", f"line of call {i}\n"))
+            display.handle(RunFinished(f"run-{i}", "succeeded", 0.1, f"/logs/run-{i}"))
+            displays.append(display)
+    closed = [d._box.comm is None and all(o.comm is None for o in d._outputs) for d in displays]
+    assert closed == [True, True, False, False, False]
+    assert list(widgets._ended) == displays[2:]
+    widget_view = "application/vnd.jupyter.widget-view+json"
+    last = displays[0]._handle.shown[-1]  # the static record in its place: state, last lines, logs
+    assert (
+        widget_view not in last
+        and "line of call 0" in last["text/html"]
+        and "/logs/run-0" in last["text/html"]
+    )
+    assert widget_view in displays[4]._handle.shown[-1]

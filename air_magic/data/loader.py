@@ -92,16 +92,17 @@ class DataLoader(_stateful.StatefulDataLoader):  # type: ignore[name-defined]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         saved = saved_workers(state_dict)
-        if saved is not None and saved != self.num_workers:
+        workers: int = getattr(self, "num_workers", 0)
+        if saved is not None and saved != workers:
             if self._workers_chosen:
                 raise ValueError(
                     f"air_magic.data: this loader state was saved by a loader with num_workers={saved}; "
-                    f"this one has num_workers={self.num_workers}. torchdata resumes a position only with "
+                    f"this one has num_workers={workers}. torchdata resumes a position only with "
                     f"the same workers: pass num_workers={saved} (or leave it out to take the state's)"
                 )
             # The default is this machine's share of cores: the saved split wins (resumed exactly).
             self.num_workers = saved
-            if saved > 0 and self.prefetch_factor is None:
+            if saved > 0 and getattr(self, "prefetch_factor", None) is None:
                 self.prefetch_factor = 2  # torch's default with workers
         super().load_state_dict(state_dict)
 

@@ -8,12 +8,20 @@ appending line by line to an ``Output`` widget grows quadratically (2 000
 appends took 8 s when measured), one replacement of a capped tail does not.
 The kernel's messages to the browser are therefore bounded by time, not by
 how much the ranks print.
+
+The widgets of ended calls are bounded too: the newest :data:`KEEP_LIVE` ended
+calls keep their live tabs; an older one's view is replaced, through its display
+id, by its static record (each rank's state, last lines and log, the MLflow link)
+and its widgets are closed, so a session of hundreds of cells does not pile up
+widget models in the kernel, the browser and the saved notebook.
 """
 
 from __future__ import annotations
 
+import collections
 import html
 import sys
+import threading
 import time
 from typing import Any
 
@@ -34,6 +42,9 @@ from air_magic.protocol.events import (
 )
 
 FLUSH_S = 0.25  # at most 4 browser updates a second per rank: live to the eye, cheap for the kernel
+KEEP_LIVE = 20  # ended calls whose tabs stay live; older ones become their static record
+_ended: collections.deque[WidgetDisplay] = collections.deque()
+_ended_lock = threading.Lock()
 
 GLYPHS = {
     RankState.STARTING: "○",
@@ -143,6 +154,7 @@ class WidgetDisplay:
             self._flush(force=True)
             if self._handle is not None:
                 self._handle.update(self._bundle(), raw=True)
+            _retire_the_oldest(self)
 
     # -- widgets ------------------------------------------------------------------------
 
@@ -170,6 +182,15 @@ class WidgetDisplay:
         # The widget view, and beside it a static record for wherever widgets do not render
         # (display/record.py); replaced through the display id when the call ends.
         self._handle = display(self._bundle(), raw=True, display_id=True)
+
+    def retire(self) -> None:
+        """The view becomes its static record; the widgets are closed (shared layouts stay)."""
+        if self._handle is not None:
+            static = self._bundle()
+            static.pop("application/vnd.jupyter.widget-view+json", None)
+            self._handle.update(static, raw=True)
+        for widget in (self._box, self._tab, self._header, *self._outputs):
+            widget.close()
 
     def _bundle(self) -> dict[str, Any]:
         """The widget view with the static record as ``text/html`` and ``text/plain``."""
@@ -286,6 +307,18 @@ class WidgetDisplay:
 
 
 _SHARED: dict[str, Any] = {}
+
+
+def _retire_the_oldest(display: WidgetDisplay) -> None:
+    """``display`` has ended: it joins the live ones; beyond KEEP_LIVE the oldest is retired."""
+    with _ended_lock:
+        _ended.append(display)
+        old = [_ended.popleft() for _ in range(max(0, len(_ended) - KEEP_LIVE))]
+    for retired in old:
+        try:
+            retired.retire()
+        except Exception:  # noqa: BLE001 - a frontend gone away: nothing to update
+            pass
 
 
 def _shared(kind: str) -> Any:

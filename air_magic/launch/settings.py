@@ -80,14 +80,11 @@ def _check_timeout(value: Any) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ConfigurationError(
-            f"timeout must be a number of seconds (or none: no limit), got {value!r}"
-        )
+        raise ConfigurationError(f"timeout must be a number of seconds (or none: no limit), got {value!r}")
     seconds = float(value)
     if math.isnan(seconds) or math.isinf(seconds) or seconds <= 0:
         raise ConfigurationError(
-            f"timeout must be a finite number of seconds greater than 0 (or none: no limit), "
-            f"got {value!r}"
+            f"timeout must be a finite number of seconds greater than 0 (or none: no limit), got {value!r}"
         )
     return seconds
 
