@@ -38,11 +38,12 @@ from typing import Any
 from air_magic import paths
 from air_magic.display.widgets import WidgetDisplay, widgets_available
 from air_magic.launch.request import RunResult
+from air_magic.launch.settings import stop_grace_s
 from air_magic.launch.stacks import format_stacks
 from air_magic.protocol.events import Consumer, Event, RankExited, RankStarted, RunFinished, RunStarted, Tick
 from air_magic.threads import start_in_context
 
-CANCEL_WAIT_S = 10.0  # cancel(): every rank is stopped within the backend's grace; this bounds the wait
+CANCEL_WAIT_S = 10.0  # cancel(): beyond the call's stop grace, the wait for the ranks' exits and the end
 AT_EXIT_WAIT_S = 10.0  # at exit, for all background runs together
 _STATUS_EVERY_S = 0.5  # the live status line is redrawn at most this often
 
@@ -75,8 +76,11 @@ class RunHandle:
         stop: Callable[[], None],
         stacks: Callable[[], dict[int, str]],
         on_result: Callable[[RunResult], Any] | None = None,
+        stop_grace: float = 0.0,
     ) -> None:
         self.name = name
+        self._stop_grace = stop_grace  # the ranks' time to end after a stop: cancel() waits it out
+        self._stop_said = False  # cancel_all() said it stops this run
         self.world_size = world_size
         self._stop = stop  # how the run is stopped: its backend's stop(), or a signal to a supervisor
         self._take_stacks = stacks
@@ -152,11 +156,13 @@ class RunHandle:
     def cancel(self, wait: bool = True) -> bool:
         """Stop every rank (as Ctrl-C stops a foreground call); True once the call has ended.
 
-        With ``wait`` (default) returns when every rank is gone (a few seconds at most)."""
+        The ranks get SIGINT (``KeyboardInterrupt``) and the call's ``stop_grace`` to end, then
+        SIGKILL. With ``wait`` (default) returns when every rank is gone: at once for ranks that
+        take the interrupt, at most the grace (and a few seconds) for one that does not."""
         if not self._finished.is_set():
             self._stop()
         if wait:
-            self._finished.wait(CANCEL_WAIT_S)
+            self._finished.wait(self._stop_grace + CANCEL_WAIT_S)
         return self._finished.is_set()
 
     def logs(self, rank: int = 0, lines: int | None = None) -> str:
@@ -255,7 +261,12 @@ def start_background(
     """Start a prepared call (``session/call.prepare_call``) on a thread; its handle, at once."""
     backend = prepared.backend
     handle = RunHandle(
-        prepared.name, prepared.plan.world_size, stop=backend.stop, stacks=backend.stacks, on_result=on_result
+        prepared.name,
+        prepared.plan.world_size,
+        stop=backend.stop,
+        stacks=backend.stacks,
+        on_result=on_result,
+        stop_grace=stop_grace_s(prepared.settings.stop_grace),
     )
     displays = show_displays(prepared.displays(), prepared.plan.world_size, prepared.name)
 
@@ -322,6 +333,9 @@ def cancel_all(wait_s: float = AT_EXIT_WAIT_S) -> None:
     a script that ended without waiting for its runs), one line each on stderr."""
     handles = running()
     for handle in handles:
+        if handle._stop_said:  # threading's exit hook, then atexit's: one line a run
+            continue
+        handle._stop_said = True
         where = f"; logs: {handle.log_dir}" if handle.log_dir else ""
         print(
             f"air_magic: this process is exiting: background run {handle.name} ({handle._status}) is "

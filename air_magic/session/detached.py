@@ -42,6 +42,7 @@ from air_magic.display.widgets import make_consumers
 from air_magic.errors import ConfigurationError, LaunchError
 from air_magic.launch.accelerators import AcceleratorPlan
 from air_magic.launch.request import RunResult
+from air_magic.launch.settings import stop_grace_s
 from air_magic.launch.stacks import take_stacks
 from air_magic.protocol import event_log, serialization, wire
 from air_magic.protocol.events import (
@@ -145,6 +146,7 @@ def start_detached(prepared: Any, on_result: Any = None, consumers: Sequence[Any
                 "world_size": prepared.plan.world_size,
                 "kind": request.kind,
                 "gpus": [g.uuid for g in prepared.plan.gpus],
+                "stop_grace": stop_grace_s(prepared.settings.stop_grace),  # what cancel() waits out
             },
         )
         private_files.create_private_file(os.path.join(folder, EVENTS))  # a follower opens it at once
@@ -329,6 +331,7 @@ def _follow(folder: str, displays: list[Any], on_result: Any, more: Sequence[Any
         stop=lambda: _signal_supervisor(folder),
         stacks=lambda: take_stacks(dict(pids), handle.log_dir) if handle.log_dir else {},
         on_result=on_result,
+        stop_grace=float(state.get("stop_grace", 0.0)),
     )
     handle.detached_id = state.get("id", os.path.basename(folder))
     handle.kind = state.get("kind", "function")
