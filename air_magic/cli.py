@@ -62,7 +62,9 @@ class UsageError(Exception):
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        return _main(argv)
+        status = _main(argv)
+        sys.stdout.flush()  # here: a closed pipe found at exit would print Python's own complaint
+        return status
     except BrokenPipeError:  # `air-magic runs | head`: the reader has what it wanted
         # Python would complain again when it flushes stdout at exit: point it at nothing.
         devnull = os.open(os.devnull, os.O_WRONLY)
@@ -579,7 +581,7 @@ def exit_status(exc: BaseException) -> int:
         code = exc.exit_code
         return SIGNALLED - code if code < 0 else (code or 1)
     if isinstance(exc, targets.ScriptExit):  # the script's own sys.exit(N)
-        return exc.status & 0xFF or 1
+        return exc.exit_status
     if isinstance(exc, ConfigurationError):
         return USAGE_ERROR
     return 1

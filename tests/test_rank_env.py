@@ -33,3 +33,12 @@ def test_the_second_node_of_two_gets_its_own_place_and_gpus():
     assert env["CUDA_VISIBLE_DEVICES"] == "2,3"
     # Across machines the collectives cannot stay on loopback.
     assert "GLOO_SOCKET_IFNAME" not in env and "NCCL_SOCKET_IFNAME" not in env
+
+
+def test_every_variable_the_launcher_sets_is_kept_by_a_sessions_ranks():
+    """One list (protocol/env_names.LAUNCH_NAMES): a session cell never overwrites what the launcher gave."""
+    from air_magic.protocol.env_names import kept_by_the_ranks
+
+    for place, addr in ((RankPlace.on_one_node(1, 4), "127.0.0.1"), (RankPlace.on_one_node(0, 1), "10.0.0.1")):
+        env = _env(place, master_addr=addr)  # base={}: every name is the launcher's
+        assert [name for name in env if not kept_by_the_ranks(name)] == []

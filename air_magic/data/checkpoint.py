@@ -7,11 +7,11 @@ DCP saves each shard once and loads onto another number of ranks (resharding).
 
 State that differs per rank and is not a tensor — a data loader's position —
 must not share one key across ranks: DCP keeps one copy of a non-tensor value
-per key. :class:`PerRank` stores it under the rank's own key, and the number of
-ranks that saved it: loading it on another number of ranks is refused by
-``PerRank.load_state_dict`` with a message that says so (read through
-:func:`VolumeReader`, also on more ranks than saved it, where DCP itself would
-stop first at a bare "Missing key").
+per key. :class:`PerRank` stores it under the rank's own key. Read through
+:func:`VolumeReader`, a checkpoint says how many ranks saved each PerRank entry (the
+count of its ``rank_N`` keys), and loading it on another number of ranks is refused by
+``PerRank.load_state_dict`` with a message that says so (on more ranks than saved it
+DCP itself would stop first, at a bare "Missing key"). Other readers load it unchecked.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
+import re
 from typing import Any, Protocol, runtime_checkable
 
 import torch.distributed.checkpoint as dcp
@@ -68,37 +69,47 @@ def VolumeReader(url: str | os.PathLike[str], **kwargs: Any) -> dcp.StorageReade
     return _checks_rank_count(FsspecReader(url, **kwargs), url)
 
 
-_RANKS_KEY = "air_magic_ranks"  # beside each PerRank's rank_N keys: how many ranks saved it
+_RANK_KEY = re.compile(r"^(?P<prefix>.+)\.rank_(?P<rank>\d+)$")
+# The rank counts of the PerRank entries in the checkpoint this process read last (its metadata
+# is read by VolumeReader just before DCP loads the state: the same dcp.load call).
+_saved_rank_counts: dict[str, int] = {}
 
 
 def _checks_rank_count(reader: Any, url: str) -> Any:
-    """``reader``, with a checkpoint's :class:`PerRank` state readable on more ranks than saved it.
+    """``reader``, noting how many ranks saved each :class:`PerRank` entry of the checkpoint (its
+    ``prefix.rank_N`` keys, whose values are bytes), and readable on more ranks than saved it.
 
     DCP's planner refuses a key the checkpoint lacks (``Missing key in checkpoint state_dict:
     loader.rank_2``) before any state is loaded, in words that do not say why. Here the missing
     ranks' keys point at rank 0's bytes, so the load goes on to ``PerRank.load_state_dict``, which
     compares the rank counts and says what differs. A state without that PerRank never asks for
-    those keys: loading the rest (tensors reshard) is untouched."""
+    those keys: loading the rest (tensors reshard) is untouched. Nothing is added to what is
+    saved: checkpoints of every version load alike."""
     read_metadata = reader.read_metadata
 
     def read_metadata_for_this_many_ranks(*args: Any, **kwargs: Any) -> Any:
         metadata = read_metadata(*args, **kwargs)
         known = getattr(metadata, "state_dict_metadata", None)
+        _saved_rank_counts.clear()
         if not isinstance(known, dict):
             return metadata
+        ranks: dict[str, set[int]] = {}
+        for key, about in known.items():
+            found = _RANK_KEY.match(key)
+            if found and type(about).__name__ == "BytesStorageMetadata":
+                ranks.setdefault(found["prefix"], set()).add(int(found["rank"]))
         _, world = _world()
-        for key in [k for k in known if k.endswith("." + _RANKS_KEY)]:
-            prefix = key[: -len(_RANKS_KEY) - 1]
+        for prefix, saved in ranks.items():
+            if saved != set(range(len(saved))):
+                continue  # not rank_0..rank_N-1: not PerRank's
+            _saved_rank_counts[prefix] = len(saved)
             first = f"{prefix}.rank_0"
-            if first not in known:
-                continue
             where = [(i, info) for i, info in (metadata.storage_data or {}).items() if i.fqn == first]
-            for rank in range(world):
+            for rank in range(len(saved), world):
                 fqn = f"{prefix}.rank_{rank}"
-                if fqn not in known:
-                    known[fqn] = known[first]
-                    for index, info in where:
-                        metadata.storage_data[dataclasses.replace(index, fqn=fqn)] = info
+                known[fqn] = known[first]
+                for index, info in where:
+                    metadata.storage_data[dataclasses.replace(index, fqn=fqn)] = info
         return metadata
 
     reader.read_metadata = read_metadata_for_this_many_ranks
@@ -144,13 +155,11 @@ class PerRank:
     def state_dict(self) -> dict[str, Any]:
         # Bytes, not the nested dict: DCP would flatten it, and loading a flattened dict needs
         # the same keys in the fresh object's state as in the saved one (a loader's are not).
-        # The rank count: the same value on every rank, so DCP's one copy per key is right.
-        return {self._key(): pickle.dumps(self.inner.state_dict()), _RANKS_KEY: _world()[1]}
+        return {self._key(): pickle.dumps(self.inner.state_dict())}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         key = self._key()
-        saved = state_dict.get(_RANKS_KEY)
-        if isinstance(saved, int):  # absent from checkpoints of older versions
+        for saved in set(_saved_rank_counts.values()):  # read through VolumeReader: its rank counts
             _check_ranks(saved)
         if key not in state_dict:
             raise KeyError(f"air_magic.data: the checkpoint has no state for {key} (saved by fewer ranks?)")

@@ -10,11 +10,13 @@ run's variables through ``env`` like any other).
 from __future__ import annotations
 
 import secrets
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from air_magic.launch.accelerators import AcceleratorPlan
+from air_magic.launch.settings import DEFAULT_STOP_GRACE
 
 
 @dataclass(frozen=True)
@@ -26,7 +28,7 @@ class LaunchRequest:
     plan: AcceleratorPlan
     timeout: float | None
     env: dict[str, str] = field(default_factory=dict)  # extra variables for every rank
-    stop_grace: float = 30.0  # after a stop: seconds before SIGKILL (launch/settings.stop_grace_s)
+    stop_grace: float = DEFAULT_STOP_GRACE  # after a stop: seconds before SIGKILL (settings.stop_grace_s)
     # A script or ``-m`` module (air-magic run): exit status 0 is success, as under torchrun, even
     # without a result written (``os._exit(0)`` at its end). A function must return.
     exit_zero_succeeds: bool = False
@@ -81,6 +83,28 @@ class RunResult:
             raise self.error
         assert self.values is not None
         return self.values
+
+
+class StopRequest(threading.Event):
+    """A backend's ``stop()`` flag, with the grace it asked for: the call's ``stop_grace`` unless a
+    shorter one was asked (a process that is exiting cannot wait half a minute for its ranks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.grace_s: float | None = None
+
+    def ask(self, grace_s: float | None = None) -> None:
+        if grace_s is not None:
+            self.grace_s = grace_s if self.grace_s is None else min(self.grace_s, grace_s)
+        self.set()
+
+    def clear(self) -> None:
+        super().clear()
+        self.grace_s = None
+
+    def grace(self, stop_grace: float) -> float:
+        """The grace the ranks get now: the call's, or a shorter one asked by ``stop()``."""
+        return stop_grace if self.grace_s is None else min(stop_grace, self.grace_s)
 
 
 def rank_succeeded(request: LaunchRequest, exit_code: int | None, returned: bool) -> bool:

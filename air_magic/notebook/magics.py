@@ -573,8 +573,12 @@ def _status() -> None:
 
 def _logs(args: list[str]) -> None:
     info = history.last_run()
+    starting = _starting()
+    if starting is not None:  # the newest run has no log folder yet
+        print(starting)
+        return
     if info is None:
-        print(_starting() or "air_magic: no run yet in this kernel")
+        print("air_magic: no run yet in this kernel")
         return
     if not args:
         print(info.log_dir)

@@ -40,3 +40,22 @@ BACKEND = "AIR_MAGIC_BACKEND"  # 'nccl' or 'gloo': what init_process_group() pic
 DEVICE = "AIR_MAGIC_DEVICE"  # 'cuda' or 'cpu'
 METRICS_DIR = "AIR_MAGIC_METRICS_DIR"  # where ranks append their MLflow metrics (worker/metrics.py)
 SHARED_RUN = "AIR_MAGIC_MLFLOW_RUN_ID"  # the call's MLflow run, which ranks keep open (worker/mlflow_hook.py)
+
+
+# -- what the launcher gives each rank (launch/rank_env.py) -------------------------------------
+# A persistent session's ranks keep these as launched when the notebook changes its own (each
+# cell follows the notebook's other changes: session/persistent.py, worker/session_rank.py).
+LAUNCH_NAMES = frozenset(
+    {
+        "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "ROLE_RANK",
+        "ROLE_WORLD_SIZE", "ROLE_NAME", "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+        "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "OMP_NUM_THREADS", "PYTHONUNBUFFERED",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME",
+    }
+)  # fmt: skip
+LAUNCH_PREFIXES = ("TORCHELASTIC_", "AIR_MAGIC_", "MLFLOW_")
+
+
+def kept_by_the_ranks(name: str) -> bool:
+    """A variable a session's ranks keep as launched, whatever the notebook does with its own."""
+    return name in LAUNCH_NAMES or name.startswith(LAUNCH_PREFIXES)

@@ -198,19 +198,30 @@ def _code_identity(key: int) -> int:
     return key
 
 
+class TooLargeToFingerprint(Exception):
+    """The value's pickle passed the limit given to :func:`fingerprint` (it was not finished)."""
+
+
 class _DigestSink:
     """A file-like target that hashes what is written: a large value is never held twice."""
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int | None = None) -> None:
         self.hash = hashlib.blake2b(digest_size=16)
+        self.limit = limit
+        self.size = 0
 
     def write(self, data: bytes) -> int:
+        self.size += len(data)
+        if self.limit is not None and self.size > self.limit:
+            raise TooLargeToFingerprint(self.size)
         self.hash.update(data)
         return len(data)
 
 
-def fingerprint(obj: Any) -> bytes:
-    """A digest of ``obj``'s data, equal before and after exactly when its pickle is."""
-    sink = _DigestSink()
+def fingerprint(obj: Any, limit: int | None = None) -> bytes:
+    """A digest of ``obj``'s data, equal before and after exactly when its pickle is.
+
+    ``limit``: bytes of pickle after which it gives up (:class:`TooLargeToFingerprint`)."""
+    sink = _DigestSink(limit)
     _FingerprintPickler(sink, protocol=PROTOCOL).dump(obj)
     return sink.hash.digest()

@@ -44,7 +44,9 @@ from air_magic.protocol.events import Consumer, Event, RankExited, RankStarted, 
 from air_magic.threads import start_in_context
 
 CANCEL_WAIT_S = 10.0  # cancel(): beyond the call's stop grace, the wait for the ranks' exits and the end
-AT_EXIT_WAIT_S = 10.0  # at exit, for all background runs together
+AT_EXIT_WAIT_S = 10.0  # at exit, for all background runs together (both exit hooks: one deadline)
+AT_EXIT_GRACE_S = 3.0  # at exit the ranks get this long after SIGINT, not the call's stop_grace: the
+# process is going (a kernel's manager kills one that takes more than a few seconds to shut down)
 _STATUS_EVERY_S = 0.5  # the live status line is redrawn at most this often
 
 _active: set[RunHandle] = set()
@@ -73,7 +75,7 @@ class RunHandle:
         name: str,
         world_size: int,
         *,
-        stop: Callable[[], None],
+        stop: Callable[..., None],  # stop(grace_s=None): a shorter grace than the call's, if given
         stacks: Callable[[], dict[int, str]],
         on_result: Callable[[RunResult], Any] | None = None,
         stop_grace: float = 0.0,
@@ -328,9 +330,17 @@ def running() -> list[RunHandle]:
         return sorted(_active, key=lambda h: h.started)
 
 
+_exit_deadline: float | None = None
+
+
 def cancel_all(wait_s: float = AT_EXIT_WAIT_S) -> None:
     """Stop every background run (interpreter exit: a kernel shut down or restarted with runs going,
-    a script that ended without waiting for its runs), one line each on stderr."""
+    a script that ended without waiting for its runs), one line each on stderr. Called twice at
+    exit (threading's hook, then atexit's): one deadline for both."""
+    global _exit_deadline
+    if _exit_deadline is None:
+        _exit_deadline = time.monotonic() + wait_s
+    end = _exit_deadline
     handles = running()
     for handle in handles:
         if handle._stop_said:  # threading's exit hook, then atexit's: one line a run
@@ -343,7 +353,6 @@ def cancel_all(wait_s: float = AT_EXIT_WAIT_S) -> None:
             file=sys.stderr,
             flush=True,
         )
-        handle._stop()
-    end = time.monotonic() + wait_s
+        handle._stop(AT_EXIT_GRACE_S)
     for handle in handles:
         handle._finished.wait(max(0.0, end - time.monotonic()))

@@ -328,7 +328,7 @@ def _follow(folder: str, displays: list[Any], on_result: Any, more: Sequence[Any
     handle = RunHandle(
         name,
         world,
-        stop=lambda: _signal_supervisor(folder),
+        stop=lambda grace_s=None: _signal_supervisor(folder),  # its grace is the supervisor's
         stacks=lambda: take_stacks(dict(pids), handle.log_dir) if handle.log_dir else {},
         on_result=on_result,
         stop_grace=float(state.get("stop_grace", 0.0)),
@@ -341,7 +341,7 @@ def _follow(folder: str, displays: list[Any], on_result: Any, more: Sequence[Any
 
     caught_up = threading.Event()  # the replay reached the end of what was written so far
 
-    def follow() -> None:
+    def follow_events() -> RunFinished | None:
         started = time.monotonic()
         last_tick = 0.0
         finished: RunFinished | None = None
@@ -368,13 +368,18 @@ def _follow(folder: str, displays: list[Any], on_result: Any, more: Sequence[Any
                 _emit(consumers, Tick(elapsed=now - started))
                 if event is None and not _supervisor_alive(folder):
                     gone = True
-        caught_up.set()
-        if stop.is_set() and finished is None:  # unfollow(): the run goes on; this handle ends here
-            return
+        return finished
+
+    def follow() -> None:
         try:
+            finished = follow_events()
+            caught_up.set()
+            if stop.is_set() and finished is None:  # unfollow(): the run goes on; this handle ends here
+                return
             outcome = _outcome(folder, finished)
         except Exception as exc:  # noqa: BLE001 - a follower never dies with its handle unfinished
             outcome = (None, LaunchError(f"following detached run {handle.detached_id} failed: {exc!r}"))
+        caught_up.set()
         handle._finish(*outcome)
 
     handle.unfollow = stop.set  # type: ignore[attr-defined]

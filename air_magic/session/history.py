@@ -79,7 +79,7 @@ class RunHistory:
 def amend(run_id: str, *, outcome: str, error: str | None) -> None:
     """A call's outcome, said better than its RunFinished could (a persistent session whose ranks
     ended well though some of its cells failed): in memory and in its run.json."""
-    for info in _runs:
+    for info in list(_runs):  # other threads append
         if info.run_id == run_id:
             info.outcome, info.error = outcome, error
             _write_summary(info)

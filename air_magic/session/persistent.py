@@ -45,7 +45,7 @@ from air_magic.launch.payload import build_payload
 from air_magic.launch.request import CellSender, RunResult, new_run_id
 from air_magic.launch.settings import LaunchSettings, make_settings
 from air_magic.launch.stacks import timeout_section
-from air_magic.protocol import serialization
+from air_magic.protocol import env_names, serialization
 from air_magic.protocol.events import (
     Event,
     EventBus,
@@ -96,11 +96,16 @@ class _Cell:
     logged: bool = False  # its MLflow step is queued (at its end, or as the session ended under it)
 
 
+FINGERPRINT_LIMIT = 64 * 2**20  # bytes of pickle: a larger object held by the ranks is kept by identity
+
+
 def _digest(value: Any) -> bytes | None:
-    """The value's data fingerprint (as one-off cells compare them), None when it cannot be taken."""
+    """The value's data fingerprint (as one-off cells compare them), None when it cannot be taken:
+    unpicklable, or larger than FINGERPRINT_LIMIT (a model: pickling it at every cell that reads it
+    would cost more than the cell; its in-place changes in the notebook need ``--push NAME``)."""
     try:
-        return serialization.fingerprint(value)
-    except Exception:  # noqa: BLE001 - unpicklable: kept by identity alone, as before
+        return serialization.fingerprint(value, limit=FINGERPRINT_LIMIT)
+    except Exception:  # noqa: BLE001 - kept by identity alone, as before
         return None
 
 
@@ -460,10 +465,12 @@ class Session:
         fresh ranks would start): its folder, ``sys.path``, and its environment's changes since the
         session started, except the names the launcher gives each rank (said once, here)."""
         now = dict(os.environ)
-        changed = {k: v for k, v in now.items() if self._env_at_start.get(k) != v}
+        # A name sent once is sent every time (set back to its start value, the ranks must follow too).
+        changed = {k: v for k, v in now.items() if self._env_at_start.get(k) != v or k in self._env_sent}
         removed = [k for k in {*self._env_at_start, *self._env_sent} if k not in now]
         self._env_sent.update(changed)
-        kept = sorted(k for k in [*changed, *removed] if session_rank.kept_by_the_ranks(k))
+        own = set(self.settings.env)  # the session's env=: the ranks keep it, as a one-off call's would
+        kept = sorted(k for k in [*changed, *removed] if k in own or env_names.kept_by_the_ranks(k))
         for name in kept:
             if name not in self._kept_said:
                 self._kept_said.add(name)

@@ -158,7 +158,8 @@ class _RecordInState:
 def _write_result(folder: str, result: RunResult) -> None:
     try:
         data = serialization.dumps(result)
-        serialization.loads(data)  # what a follower will do: an error that pickles may not load
+        if result.error is not None:  # what a follower will do: an error that pickles may not load
+            serialization.loads(serialization.dumps(result.error))
     except Exception as exc:  # noqa: BLE001 - a value that cannot be pickled again: say so
         data = serialization.dumps(_kept_as_text(result, exc))
     wire.write_atomically(os.path.join(folder, detached.RESULT), data)

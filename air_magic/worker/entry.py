@@ -94,7 +94,7 @@ def main(transport: wire.RankTransport) -> NoReturn:
     except BaseException as exc:  # noqa: BLE001 - every failure is reported, even SystemExit
         _report(transport, stage, exc)
         # A script's sys.exit(N) ends its rank with N, as under python or torchrun.
-        _exit(exc.status & 0xFF or 1 if isinstance(exc, targets.ScriptExit) else 1)
+        _exit(exc.exit_status if isinstance(exc, targets.ScriptExit) else 1)
     _exit(0)
 
 

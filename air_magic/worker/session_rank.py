@@ -129,23 +129,6 @@ def _run_cell(run_dir: str, rank: int, cell: int) -> bool:
                 pass
 
 
-# What the launcher gives each rank (torchrun's variables, its GPUs, the call's own and its MLflow
-# run's): a session's rank keeps them when the notebook changes its own (session/persistent.py says so).
-_LAUNCH_NAMES = frozenset(
-    {
-        "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "ROLE_RANK",
-        "ROLE_WORLD_SIZE", "ROLE_NAME", "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-        "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "OMP_NUM_THREADS", "PYTHONUNBUFFERED",
-    }
-)  # fmt: skip
-_LAUNCH_PREFIXES = ("TORCHELASTIC_", "AIR_MAGIC_", "MLFLOW_")
-
-
-def kept_by_the_ranks(name: str) -> bool:
-    """A variable a session's ranks keep as launched, whatever the notebook does with its own."""
-    return name in _LAUNCH_NAMES or name.startswith(_LAUNCH_PREFIXES)
-
-
 def follow_the_caller(caller: dict[str, Any]) -> None:
     """Before a cell: the notebook's folder, ``sys.path`` and environment changes (``%cd``,
     ``os.environ[...] = ``, ``sys.path.append``), as a one-off call's fresh ranks would start."""
@@ -153,12 +136,15 @@ def follow_the_caller(caller: dict[str, Any]) -> None:
     if cwd and os.path.isdir(cwd):  # on another node of a cluster it may not exist: left as it is
         os.chdir(cwd)
     if caller.get("sys_path"):
-        sys.path[:] = caller["sys_path"]
+        # The notebook's first, then what this rank had beside them (on a Ray node: the paths its
+        # agent added, runtime_env's working_dir and py_modules).
+        theirs = list(caller["sys_path"])
+        sys.path[:] = theirs + [p for p in sys.path if p not in theirs]
     for name, value in caller.get("env", {}).items():
-        if not kept_by_the_ranks(name):
+        if not env_names.kept_by_the_ranks(name):
             os.environ[name] = value
     for name in caller.get("unset", []):
-        if not kept_by_the_ranks(name):
+        if not env_names.kept_by_the_ranks(name):
             os.environ.pop(name, None)
 
 

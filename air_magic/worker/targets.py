@@ -54,6 +54,11 @@ class ScriptExit(Exception):
         self.status = status
         self.message = message
 
+    @property
+    def exit_status(self) -> int:
+        """The process's status, as a shell sees it: the low byte, never 0 for a failure."""
+        return self.status & 0xFF or 1
+
     def __str__(self) -> str:
         said = f": {self.message}" if self.message else ""
         return f"the script exited with status {self.status}{said}"

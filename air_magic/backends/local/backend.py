@@ -22,7 +22,6 @@ import json
 import os
 import shutil
 import sys
-import threading
 import time
 
 from air_magic import private_files
@@ -31,7 +30,7 @@ from air_magic.backends.local.call_loop import CallLoop, CallPlace
 from air_magic.backends.local.rendezvous import RendezvousStore
 from air_magic.backends.output import make_log_dir
 from air_magic.launch.accelerators import AcceleratorPlan, plan_accelerators
-from air_magic.launch.request import LaunchRequest, RunResult, new_run_id
+from air_magic.launch.request import LaunchRequest, RunResult, StopRequest, new_run_id
 from air_magic.launch.settings import LaunchSettings
 from air_magic.protocol import wire
 from air_magic.protocol.events import EventBus, RunFinished, RunStarted
@@ -43,7 +42,7 @@ class LocalBackend:
     def __init__(self, warm_start: bool = True):
         self.warm_start = warm_start
         self.name = "local-warm" if warm_start else "local-fresh"
-        self._stop_requested = threading.Event()
+        self._stop_requested = StopRequest()
         self._loop: CallLoop | None = None  # the call in progress, for stacks()
 
     def prepare(self, settings: LaunchSettings) -> AcceleratorPlan:
@@ -108,8 +107,8 @@ class LocalBackend:
                 )
             raise
 
-    def stop(self) -> None:
-        self._stop_requested.set()
+    def stop(self, grace_s: float | None = None) -> None:
+        self._stop_requested.ask(grace_s)
 
     def stacks(self) -> dict[int, str]:
         loop = self._loop

@@ -19,7 +19,6 @@ import select
 import selectors
 import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +31,7 @@ from air_magic.backends.output import OutputRouter
 from air_magic.errors import DistributedTimeoutError, LaunchError, PayloadError
 from air_magic.launch.failures import RankFailure, build_exception, exit_words, raised_on_its_own
 from air_magic.launch.rank_env import RankPlace, rank_environment
-from air_magic.launch.request import LaunchRequest, RunResult, rank_succeeded
+from air_magic.launch.request import LaunchRequest, RunResult, StopRequest, rank_succeeded
 from air_magic.launch.stacks import discard_rank_files, take_stacks, timeout_section
 from air_magic.process_tree import DescendantTracker, stop_trees
 from air_magic.protocol import serialization, wire
@@ -78,7 +77,7 @@ class CallLoop:
         place: CallPlace,
         *,
         warm_start: bool,
-        stop_requested: threading.Event,
+        stop_requested: StopRequest,
     ):
         self.request = request
         self.bus = bus
@@ -99,6 +98,7 @@ class CallLoop:
         self.failed_rank: int | None = None
         self.payload_gone = False
         self.teardown_at: float | None = None  # when the first stop of the ranks began
+        self.ranks_ignore_sigint = False
         self.held_starter: warm.Starter | None = None
         self.session_pipes: SessionPipes | None = None  # a persistent session's line to its ranks
 
@@ -172,6 +172,7 @@ class CallLoop:
     def _start_ranks(self, lifeline_r: int) -> bool:
         """Start every rank; False when the call's timeout ran out first (waiting for the starter)."""
         cwd = os.getcwd()
+        self.ranks_ignore_sigint = warm.sigint_ignored()  # as the ranks will start (exec keeps SIG_IGN)
         envs = [
             rank_environment(
                 place=RankPlace.on_one_node(rank, self.world),
@@ -374,7 +375,9 @@ class CallLoop:
         """A stop (Ctrl-C, the stop button, cancel(), a signal to the command line): the ranks get
         ``signum`` (SIGINT: KeyboardInterrupt, so ``except KeyboardInterrupt: save()`` runs), then the
         call's stop grace, then SIGKILL, as torchrun does. Their output keeps flowing meanwhile."""
-        self._stop(self.request.stop_grace, signal.Signals(signum))
+        if signum == signal.SIGINT and self.ranks_ignore_sigint:  # they would wait out the grace
+            signum = signal.SIGTERM
+        self._stop(self.stop_requested.grace(self.request.stop_grace), signal.Signals(signum))
 
     def _stop(self, grace_s: float, ask: signal.Signals = signal.SIGTERM) -> None:
         procs = [r.proc for r in self.ranks]

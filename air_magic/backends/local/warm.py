@@ -223,7 +223,7 @@ class Starter:
                 "cwd": cwd,
                 "run_dir": run_dir,
                 "umask": _current_umask(),
-                "sigint_ignored": _sigint_ignored(),
+                "sigint_ignored": sigint_ignored(),
             }
             socket.send_fds(self.sock, [json.dumps(request).encode()], fds)
             # A ready starter forks in milliseconds; one that takes this long is stuck, and the
@@ -428,7 +428,8 @@ def _current_umask() -> int:
     return mask
 
 
-def _sigint_ignored() -> bool:
+def sigint_ignored() -> bool:
+    """This process ignores SIGINT (a script started with ``&``): so will the ranks it starts."""
     try:
         return signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     except ValueError:

@@ -160,7 +160,11 @@ class NodeAgent:
             if len(self._stopped) > 64:  # remembered for a late start only; never grows for long
                 self._stopped = {run_id}
             call = self._call if self._call is not None and self._call.run_id == run_id else None
+        if signum == signal.SIGINT and warm.sigint_ignored():  # so do the ranks it starts: they would
+            signum = signal.SIGTERM  # wait out the grace (a Ray worker may ignore SIGINT)
         if call is not None:
+            if grace_s <= 0:  # a second interrupt: a stop still in its grace holds the lock; not this
+                call.kill_now()
             call.stop(grace_s, signal.Signals(signum))
 
     def finish(self, run_id: str) -> None:

@@ -12,14 +12,12 @@
 
 from __future__ import annotations
 
-import threading
-
 from air_magic.backends.local import warm
 from air_magic.backends.ray import cluster, placement
 from air_magic.backends.ray.run_loop import RayRun
 from air_magic.errors import LaunchError
 from air_magic.launch.accelerators import AcceleratorPlan
-from air_magic.launch.request import LaunchRequest, RunResult
+from air_magic.launch.request import LaunchRequest, RunResult, StopRequest
 from air_magic.launch.settings import LaunchSettings
 from air_magic.protocol.events import EventBus
 
@@ -31,7 +29,7 @@ class RayBackend:
         self.address = address
         self.warm_start = warm_start
         self.name = "ray-warm" if warm_start else "ray-fresh"
-        self._stop_requested = threading.Event()
+        self._stop_requested = StopRequest()
         self._pool: placement.Pool | None = None
         self._run: RayRun | None = None  # the call in progress, for stacks()
 
@@ -70,8 +68,8 @@ class RayBackend:
             self._run = None
             pool.in_use.release()
 
-    def stop(self) -> None:
-        self._stop_requested.set()
+    def stop(self, grace_s: float | None = None) -> None:
+        self._stop_requested.ask(grace_s)
 
     def stacks(self) -> dict[int, str]:
         run = self._run

@@ -25,7 +25,6 @@ import os
 import re
 import signal
 import sys
-import threading
 import time
 from typing import Any
 
@@ -34,7 +33,7 @@ from air_magic.backends.output import OutputRouter, make_log_dir
 from air_magic.backends.ray.placement import Pool
 from air_magic.errors import DistributedTimeoutError, LaunchError, PayloadError, RankFailedError
 from air_magic.launch.failures import RankFailure, build_exception, exit_words, raised_on_its_own
-from air_magic.launch.request import LaunchRequest, RunResult, new_run_id, rank_succeeded
+from air_magic.launch.request import LaunchRequest, RunResult, StopRequest, new_run_id, rank_succeeded
 from air_magic.launch.stacks import discard_rank_files, timeout_section
 from air_magic.protocol import env_names, serialization, wire
 from air_magic.protocol.events import (
@@ -113,7 +112,7 @@ class RayRun:
         pool: Pool,
         *,
         warm_start: bool,
-        stop_requested: threading.Event,
+        stop_requested: StopRequest,
         starter_wait_s: float,
     ):
         import ray
@@ -178,7 +177,7 @@ class RayRun:
                 except PayloadError as exc:
                     outcome, error = "failed", exc
             elif outcome == "interrupted":
-                self._stop(self.request.stop_grace, signal.SIGINT)
+                self._stop(self.stop_requested.grace(self.request.stop_grace), signal.SIGINT)
                 error = self._stopped_error()
             elif outcome == "timeout":
                 running = [r.rank for r in self.ranks if not r.exited]
@@ -191,7 +190,9 @@ class RayRun:
             return RunResult(self.run_id, self.log_dir, outcome, error=error)
         except KeyboardInterrupt as exc:
             outcome = "interrupted"
-            self._stop(self.request.stop_grace, getattr(exc, "signum", signal.SIGINT))
+            self._stop(
+                self.stop_requested.grace(self.request.stop_grace), getattr(exc, "signum", signal.SIGINT)
+            )
             raise
         finally:
             self._stop(GRACE_S)
@@ -477,8 +478,15 @@ class RayRun:
                 ):
                     break
                 self._pump(min(TICK_S, max(0.0, end - time.monotonic())))
-        except KeyboardInterrupt:  # a second interrupt: no more waiting
-            pass
+        except KeyboardInterrupt:  # a second interrupt: no more grace, on every node
+            for agent in self.agents:
+                self.side_calls.append(agent.stop.remote(self.run_id, 0.0, int(signal.SIGKILL)))
+            end = time.monotonic() + STOP_WAIT_S
+            try:
+                while self.polls and time.monotonic() < end and not all(r.exited for r in self.ranks):
+                    self._pump(min(TICK_S, max(0.0, end - time.monotonic())))
+            except KeyboardInterrupt:  # a third: the exits are not waited for
+                pass
         for r in self.ranks:
             if not r.exited:  # its agent never answered: counted as lost with its node
                 self._node_lost(r.node)
