@@ -39,6 +39,7 @@ def test_every_variable_the_launcher_sets_is_kept_by_a_sessions_ranks():
     """One list (protocol/env_names.LAUNCH_NAMES): a session cell never overwrites what the launcher gave."""
     from air_magic.protocol.env_names import kept_by_the_ranks
 
-    for place, addr in ((RankPlace.on_one_node(1, 4), "127.0.0.1"), (RankPlace.on_one_node(0, 1), "10.0.0.1")):
+    places = ((RankPlace.on_one_node(1, 4), "127.0.0.1"), (RankPlace.on_one_node(0, 1), "10.0.0.1"))
+    for place, addr in places:
         env = _env(place, master_addr=addr)  # base={}: every name is the launcher's
         assert [name for name in env if not kept_by_the_ranks(name)] == []
