@@ -300,6 +300,11 @@ def test_each_cell_follows_the_notebooks_folder_environment_and_sys_path(ip, ses
     monkeypatch.delenv("AFTER_START")
     result, out = cell(ip, "import os\nos.environ.get('AFTER_START', 'gone')", "--display none")
     assert result == ["gone", "gone"] and "MASTER_PORT" not in out.stderr  # said once
+    home = os.environ["HOME"]
+    monkeypatch.setenv("HOME", "/elsewhere")
+    assert cell(ip, "import os\nos.environ['HOME']", "--display none")[0] == ["/elsewhere"] * 2
+    monkeypatch.setenv("HOME", home)  # back to the value the session started with: followed too
+    assert cell(ip, "import os\nos.environ['HOME']", "--display none")[0] == [home] * 2
 
 
 class Box:

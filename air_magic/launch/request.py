@@ -10,6 +10,7 @@ run's variables through ``env`` like any other).
 from __future__ import annotations
 
 import secrets
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -92,15 +93,19 @@ class StopRequest(threading.Event):
     def __init__(self) -> None:
         super().__init__()
         self.grace_s: float | None = None
+        self.signum = signal.SIGINT  # what the ranks get first: KeyboardInterrupt, as Ctrl-C gives
 
-    def ask(self, grace_s: float | None = None) -> None:
+    def ask(self, grace_s: float | None = None, signum: int | None = None) -> None:
         if grace_s is not None:
             self.grace_s = grace_s if self.grace_s is None else min(self.grace_s, grace_s)
+        if signum is not None:
+            self.signum = signal.Signals(signum)
         self.set()
 
     def clear(self) -> None:
         super().clear()
         self.grace_s = None
+        self.signum = signal.SIGINT
 
     def grace(self, stop_grace: float) -> float:
         """The grace the ranks get now: the call's, or a shorter one asked by ``stop()``."""

@@ -29,6 +29,7 @@ thread would keep a kernel's shutdown waiting for the training to finish).
 from __future__ import annotations
 
 import html
+import signal
 import sys
 import threading
 import time
@@ -44,9 +45,11 @@ from air_magic.protocol.events import Consumer, Event, RankExited, RankStarted, 
 from air_magic.threads import start_in_context
 
 CANCEL_WAIT_S = 10.0  # cancel(): beyond the call's stop grace, the wait for the ranks' exits and the end
-AT_EXIT_WAIT_S = 10.0  # at exit, for all background runs together (both exit hooks: one deadline)
-AT_EXIT_GRACE_S = 3.0  # at exit the ranks get this long after SIGINT, not the call's stop_grace: the
-# process is going (a kernel's manager kills one that takes more than a few seconds to shut down)
+AT_EXIT_WAIT_S = 30.0  # at exit, for all background runs together (both exit hooks: one deadline);
+# a run still making its MLflow run (a script that ended at once) needs it, one that runs needs the grace
+AT_EXIT_GRACE_S = 1.0  # at exit the ranks get SIGTERM and this long, not SIGINT and the call's
+# stop_grace: the process is going, and a kernel's manager kills a kernel that takes more than 5 s
+# to shut down (its MLflow runs would stay RUNNING): the ranks must be gone well before.
 _STATUS_EVERY_S = 0.5  # the live status line is redrawn at most this often
 
 _active: set[RunHandle] = set()
@@ -353,6 +356,6 @@ def cancel_all(wait_s: float = AT_EXIT_WAIT_S) -> None:
             file=sys.stderr,
             flush=True,
         )
-        handle._stop(AT_EXIT_GRACE_S)
+        handle._stop(AT_EXIT_GRACE_S, signal.SIGTERM)
     for handle in handles:
         handle._finished.wait(max(0.0, end - time.monotonic()))

@@ -328,7 +328,7 @@ def _follow(folder: str, displays: list[Any], on_result: Any, more: Sequence[Any
     handle = RunHandle(
         name,
         world,
-        stop=lambda grace_s=None: _signal_supervisor(folder),  # its grace is the supervisor's
+        stop=lambda grace_s=None, signum=None: _signal_supervisor(folder),  # the supervisor's grace
         stacks=lambda: take_stacks(dict(pids), handle.log_dir) if handle.log_dir else {},
         on_result=on_result,
         stop_grace=float(state.get("stop_grace", 0.0)),

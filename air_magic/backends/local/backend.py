@@ -24,11 +24,12 @@ import shutil
 import sys
 import time
 
-from air_magic import private_files
+from air_magic import paths, private_files
 from air_magic.backends.local import warm
 from air_magic.backends.local.call_loop import CallLoop, CallPlace
 from air_magic.backends.local.rendezvous import RendezvousStore
 from air_magic.backends.output import make_log_dir
+from air_magic.errors import LaunchError
 from air_magic.launch.accelerators import AcceleratorPlan, plan_accelerators
 from air_magic.launch.request import LaunchRequest, RunResult, StopRequest, new_run_id
 from air_magic.launch.settings import LaunchSettings
@@ -59,6 +60,8 @@ class LocalBackend:
         run_id = request.run_id or new_run_id()
         log_dir = make_log_dir(request.log_root, run_id)
         plan = request.plan
+        for rank in range(plan.world_size):  # there as soon as the folder is known (RunStarted)
+            private_files.create_private_file(paths.rank_log(log_dir, rank))
         started = time.monotonic()
         # At once: the folder's run.json says what runs from its first moment (`air-magic runs`).
         bus.emit(
@@ -72,6 +75,14 @@ class LocalBackend:
                 name=request.name,
             )
         )
+        if self._stop_requested.is_set():  # stopped before a rank started (a script's end): nothing to start
+            error = LaunchError(f"{request.name} was stopped before it finished; every rank is gone")
+            bus.emit(
+                RunFinished(
+                    run_id, "interrupted", time.monotonic() - started, log_dir, f"LaunchError: {error}"
+                )
+            )
+            return RunResult(run_id, log_dir, "interrupted", error=error)
         executing = False  # from then on the loop says how the call ended
         try:
             run_dir = private_files.private_tempdir(run_id)  # 0700, named after this caller for the sweep
@@ -107,8 +118,8 @@ class LocalBackend:
                 )
             raise
 
-    def stop(self, grace_s: float | None = None) -> None:
-        self._stop_requested.ask(grace_s)
+    def stop(self, grace_s: float | None = None, signum: int | None = None) -> None:
+        self._stop_requested.ask(grace_s, signum)
 
     def stacks(self) -> dict[int, str]:
         loop = self._loop

@@ -128,7 +128,7 @@ class CallLoop:
                 return RunResult(self.run_id, self.log_dir, outcome, error=error)
             outcome = self._watch()
             if outcome == "interrupted":  # stop() from another thread
-                self._interrupt(signal.SIGINT)
+                self._interrupt(self.stop_requested.signum)
                 error = self._stopped_error()
             elif outcome == "succeeded":
                 try:

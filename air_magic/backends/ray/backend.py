@@ -68,8 +68,8 @@ class RayBackend:
             self._run = None
             pool.in_use.release()
 
-    def stop(self, grace_s: float | None = None) -> None:
-        self._stop_requested.ask(grace_s)
+    def stop(self, grace_s: float | None = None, signum: int | None = None) -> None:
+        self._stop_requested.ask(grace_s, signum)
 
     def stacks(self) -> dict[int, str]:
         run = self._run

@@ -177,7 +177,7 @@ class RayRun:
                 except PayloadError as exc:
                     outcome, error = "failed", exc
             elif outcome == "interrupted":
-                self._stop(self.stop_requested.grace(self.request.stop_grace), signal.SIGINT)
+                self._stop(self.stop_requested.grace(self.request.stop_grace), self.stop_requested.signum)
                 error = self._stopped_error()
             elif outcome == "timeout":
                 running = [r.rank for r in self.ranks if not r.exited]
