@@ -77,8 +77,8 @@ def test_a_detached_run_outlives_its_caller_and_attaches_elsewhere(store, tmp_pa
     _wait_for(
         lambda: (
             "rank 1 before the gate" in Path(listed[run_id].log_dir, "rank-1.log").read_text()
-            if listed[run_id].log_dir
-            else False
+            if listed[run_id].log_dir and Path(listed[run_id].log_dir, "rank-1.log").exists()
+            else False  # the folder is named (RunStarted) a moment before its logs are opened
         ),
         "rank 1's first line",
     )

@@ -24,7 +24,7 @@ import shutil
 import sys
 import time
 
-from air_magic import paths, private_files
+from air_magic import private_files
 from air_magic.backends.local import warm
 from air_magic.backends.local.call_loop import CallLoop, CallPlace
 from air_magic.backends.local.rendezvous import RendezvousStore
@@ -60,8 +60,6 @@ class LocalBackend:
         run_id = request.run_id or new_run_id()
         log_dir = make_log_dir(request.log_root, run_id)
         plan = request.plan
-        for rank in range(plan.world_size):  # there as soon as the folder is known (RunStarted)
-            private_files.create_private_file(paths.rank_log(log_dir, rank))
         started = time.monotonic()
         # At once: the folder's run.json says what runs from its first moment (`air-magic runs`).
         bus.emit(

@@ -386,7 +386,9 @@ class CallLoop:
         if self.teardown_at is None:
             self.teardown_at = time.monotonic()
         try:
-            stop_trees(procs, grace_s, self.tracker.seen.values(), ask=ask, meanwhile=self.pipes.pump)
+            # Output is read during an interrupt's long grace only (a failure's or timeout's 3 s as before).
+            meanwhile = self.pipes.pump if ask != signal.SIGTERM or grace_s > GRACE_S else None
+            stop_trees(procs, grace_s, self.tracker.seen.values(), ask=ask, meanwhile=meanwhile)
         except KeyboardInterrupt:  # a second interrupt: no more grace
             stop_trees(procs, 0, self.tracker.seen.values())
             raise
