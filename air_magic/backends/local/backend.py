@@ -73,13 +73,14 @@ class LocalBackend:
                 name=request.name,
             )
         )
+
+        def ended_before_the_loop(outcome: str, error: BaseException) -> None:
+            elapsed = time.monotonic() - started
+            bus.emit(RunFinished(run_id, outcome, elapsed, log_dir, f"{type(error).__name__}: {error}"))
+
         if self._stop_requested.is_set():  # stopped before a rank started (a script's end): nothing to start
             error = LaunchError(f"{request.name} was stopped before it finished; every rank is gone")
-            bus.emit(
-                RunFinished(
-                    run_id, "interrupted", time.monotonic() - started, log_dir, f"LaunchError: {error}"
-                )
-            )
+            ended_before_the_loop("interrupted", error)
             return RunResult(run_id, log_dir, "interrupted", error=error)
         executing = False  # from then on the loop says how the call ended
         try:
@@ -104,16 +105,7 @@ class LocalBackend:
                 shutil.rmtree(run_dir, ignore_errors=True)
         except BaseException as exc:
             if not executing:  # stopped or failed while starting: still recorded as ended
-                bus.emit(
-                    RunFinished(
-                        run_id=run_id,
-                        outcome="interrupted" if isinstance(exc, KeyboardInterrupt) else "failed",
-                        elapsed=time.monotonic() - started,
-                        log_dir=log_dir,
-                        error=f"{type(exc).__name__}: {exc}",
-                        failed_rank=None,
-                    )
-                )
+                ended_before_the_loop("interrupted" if isinstance(exc, KeyboardInterrupt) else "failed", exc)
             raise
 
     def stop(self, grace_s: float | None = None, signum: int | None = None) -> None:
