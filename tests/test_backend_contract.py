@@ -139,6 +139,33 @@ def rank_one_exits_0():
     time.sleep(60)
 
 
+def _gloo_group():
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    tensor = torch.ones(1)
+    dist.all_reduce(tensor)  # every rank is in the group and has talked to the others
+    return dist, tensor
+
+
+def killed_inside_a_collective():
+    dist, tensor = _gloo_group()
+    if os.environ["RANK"] == "1":
+        print("rank 1 dies now", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.all_reduce(tensor)  # the others wait here for rank 1: gloo raises "connection closed"
+    time.sleep(60)
+
+
+def raises_while_the_others_wait_in_a_collective():
+    dist, tensor = _gloo_group()
+    if os.environ["RANK"] == "1":
+        raise TrainingDiverged("loss nan before the second all_reduce")
+    dist.all_reduce(tensor)
+    time.sleep(60)
+
+
 def prints_then_hangs():
     print(f"rank {os.environ['RANK']} step 41", flush=True)
     print(f"rank {os.environ['RANK']} step 42", flush=True)
@@ -206,6 +233,29 @@ def test_a_rank_killed_by_sigkill_is_named_with_its_signal(backend):
     message = str(caught.value)
     assert "rank 1" in message and "SIGKILL" in message
     assert "about to be killed" in message  # its last lines
+    assert last_run().rank_states[1] == "failed"
+
+
+@pytest.mark.fault(
+    "a rank is SIGKILLed inside a collective",
+    "the killed rank is the root cause, not its peers' collective errors (every backend)",
+)
+def test_a_rank_killed_inside_a_collective_is_the_root_cause(backend):
+    with pytest.raises(RankFailedError) as caught:
+        call(backend, killed_inside_a_collective, n=3).unwrap()
+    assert caught.value.rank == 1 and "killed by SIGKILL" in str(caught.value)
+    assert "rank 1 dies now" in str(caught.value)
+    assert last_run().rank_states[1] == "failed"
+
+
+@pytest.mark.fault(
+    "a rank raises while its peers wait in a collective",
+    "its own exception, not its peers' collective errors (every backend)",
+)
+def test_a_rank_raising_while_its_peers_wait_in_a_collective_is_the_root_cause(backend):
+    with pytest.raises(TrainingDiverged) as caught:
+        call(backend, raises_while_the_others_wait_in_a_collective, n=3).unwrap()
+    assert caught.value.air_magic_rank == 1
     assert last_run().rank_states[1] == "failed"
 
 

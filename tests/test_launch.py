@@ -361,7 +361,7 @@ def test_a_call_stopped_while_starting_is_listed_with_its_outcome(tmp_path, monk
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt  # as Ctrl-C lands while the store imports torch
 
-    monkeypatch.setattr("air_magic.backends.local.backend.RendezvousStore", interrupted)
+    monkeypatch.setattr("air_magic.backends.local.local_call.RendezvousStore", interrupted)
     fn = distributed(num_accelerators=2, display="none", tracking=False, log_dir=str(tmp_path))(lambda: 1)
     with pytest.raises(KeyboardInterrupt):
         fn.distributed()

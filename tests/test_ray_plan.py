@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from air_magic.backends.ray.placement import listing, plan_shape
-from air_magic.backends.ray.run_loop import is_collateral
 from air_magic.errors import AcceleratorError, ConfigurationError
 from air_magic.launch.accelerators import parse_accelerator_type
+from air_magic.launch.failures import is_collateral
 from air_magic.launch.settings import make_settings
 
 

@@ -1,14 +1,21 @@
-"""Where a rank's failure becomes the exception the caller sees.
+"""Where a rank's failure becomes the exception the caller sees, and which failure that is.
 
-The launcher collects one :class:`RankFailure` per failed rank; the earliest
-(by the machine-wide monotonic clock) is the root cause, not the secondary
-collective errors it set off in the other ranks. :func:`build_exception`
-turns it into the user's own exception type when that can be rebuilt, with
-the rank's traceback as ``__cause__``, or into a :class:`RankFailedError`.
+Every outcome (the local backend's, a Ray call's, a session cell's) collects one
+:class:`RankFailure` per failed rank and hands them here. :func:`root_cause_order`
+is the one rule that picks the root cause: a rank's *own* failure (an exception
+of its own, a death by a signal, a lost node) comes before the *collateral*
+errors of its peers (torch.distributed's errors when a peer vanished; a cell's
+rank interrupted because another failed), then time decides (one clock: each
+node's monotonic clock turned into wall-clock time by the caller). A SIGKILL is
+seen only after the fact, so one seen soon after the earliest exception is
+taken to have come first. :func:`build_exception` turns the root cause into the
+user's own exception type when that can be rebuilt, with the rank's traceback
+as ``__cause__``, or into a :class:`RankFailedError`; the others go in a note.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 from collections.abc import Callable
@@ -31,14 +38,68 @@ _SIGNAL_HINTS = {
 }
 
 
+# A SIGKILL is only seen after the fact (a loop's pidfd wakes late under load), while an
+# exception is stamped when it is raised. A peer's collective error follows the death it was
+# caused by, and nothing a peer raises SIGKILLs a rank: a SIGKILL seen this soon after the
+# earliest exception came first.
+SIGKILL_SEEN_LATE_S = 1.5
+
+# What a rank raises when *another* rank failed: torch.distributed's errors, and the words of
+# gloo, NCCL, c10d and the store in a RuntimeError when a peer vanished. Whole words only: a user's
+# "Failed to restore checkpoint" or "DataLoader timed out" is the user's own failure.
+_COLLATERAL_TYPES = ("DistBackendError", "DistNetworkError", "DistStoreError", "DistError")
+_COLLATERAL_WORDS = re.compile(
+    r"connection closed by peer|connection reset by peer|broken pipe|socket timeout"
+    r"|\b(gloo|nccl|c10d|processgroup\w*|tcpstore)\b",
+    re.IGNORECASE,
+)
+
+
+def is_collateral(type_name: str, message: str) -> bool:
+    """An error a rank raises because another one failed (so it is not the root cause)."""
+    short = type_name.rsplit(".", 1)[-1]
+    if short in _COLLATERAL_TYPES:
+        return True
+    return short == "RuntimeError" and _COLLATERAL_WORDS.search(message) is not None
+
+
 @dataclass
 class RankFailure:
-    """One failed rank. ``time`` orders failures; ``record`` is set when the rank reported itself."""
+    """One failed rank. ``time`` (one clock for every rank) orders failures; ``record`` is set when
+    the rank reported itself; ``collateral``: a consequence of another rank's failure (see
+    :func:`root_cause_order`); ``lost``: what happened to its node, when the node was lost."""
 
     rank: int
     time: float
     exit_code: int | None
     record: ErrorRecord | None
+    collateral: bool = False
+    lost: str | None = None
+
+    @classmethod
+    def of(
+        cls,
+        rank: int,
+        time: float,
+        exit_code: int | None,
+        record: ErrorRecord | None,
+        *,
+        consequence: bool = False,
+    ) -> RankFailure:
+        """A failure, marked collateral when its record says so (or the caller knows it is a consequence)."""
+        collateral = consequence or (record is not None and is_collateral(record.type_name, record.message))
+        return cls(rank, time, exit_code, record, collateral=collateral)
+
+
+def root_cause_order(failures: list[RankFailure]) -> list[RankFailure]:
+    """The failures, root cause first: own failures before collateral ones, then time, then rank."""
+    reported = [f.time for f in failures if f.record is not None and not f.collateral]
+    if reported:
+        first = min(reported)
+        for f in failures:
+            if f.record is None and f.exit_code == -signal.SIGKILL and f.time <= first + SIGKILL_SEEN_LATE_S:
+                f.time = min(f.time, first - 1e-6)
+    return sorted(failures, key=lambda f: (f.collateral, f.time, f.rank))
 
 
 def build_exception(
@@ -49,23 +110,29 @@ def build_exception(
     last_lines: Callable[[int], list[str]],
     cpu_mode: bool = False,
 ) -> BaseException:
-    """The error for the earliest failure; later ones are summed up in a note.
+    """The error for the root cause (:func:`root_cause_order`); the others are summed up in a note.
 
     ``cpu_mode``: the call ran on the CPU because no GPU is visible; a failure that needed CUDA
     (the seed's own quickstart calls ``torch.cuda.set_device``) gets a note that says why.
 
-    Every failure, earliest first, is on the exception as ``air_magic_failures``:
+    Every failure, root cause first, is on the exception as ``air_magic_failures``:
     ``(rank, time, summary)`` tuples.
     """
-    ordered = sorted(failures, key=lambda f: (f.time, f.rank))
-    failure, others = ordered[0], ordered[1:]
-    exc = _exception_for(failure, world_size, log_path(failure.rank), last_lines(failure.rank))
+    ordered = root_cause_order(failures)
+    failure = ordered[0]
+    if failure.lost is not None:  # with its node: the ranks lost with it are one failure
+        lost = [f for f in ordered if f.lost == failure.lost]
+        others = [f for f in ordered if f.lost != failure.lost]
+        exc: BaseException = _lost_error(lost, others, log_path, last_lines(failure.rank))
+    else:
+        others = ordered[1:]
+        exc = _exception_for(failure, world_size, log_path(failure.rank), last_lines(failure.rank))
     summary = [(f.rank, f.time, _summary(f)) for f in ordered]
     extra: list[str] = []
     if cpu_mode and needs_cuda(failure):
         extra.append(CPU_MODE_HINT)
         add_note(exc, CPU_MODE_HINT)
-    if others:
+    if others and failure.lost is None:
         shown = "; ".join(f"rank {f.rank}: {_summary(f)}" for f in others[:3])
         more = f" and {len(others) - 3} more" if len(others) > 3 else ""
         extra.append(f"[air_magic] after it, {len(others)} other rank(s) failed too: {shown}{more}")
@@ -109,7 +176,26 @@ def raised_on_its_own(record: bytes | None) -> bool:
     return bool(type_name) and type_name not in ("builtins.KeyboardInterrupt", "builtins.SystemExit")
 
 
+def _lost_error(
+    lost: list[RankFailure], others: list[RankFailure], log_path: Callable[[int], str], last_lines: list[str]
+) -> RankFailedError:
+    first = lost[0]
+    ranks = ", ".join(str(f.rank) for f in lost)
+    tail = "\n".join(f"    {line}" for line in last_lines) or "    (nothing)"
+    log_dir = os.path.dirname(log_path(first.rank))
+    message = (
+        f"{first.lost}, and rank(s) {ranks} with it (the node died, its raylet was killed, or the agent "
+        f"was killed). Every other rank was stopped.\n  Last lines of rank {first.rank}:\n{tail}\n"
+        f"  Logs: {log_dir}"
+    )
+    if others:
+        message += f"\n  {len(others)} other rank(s) failed after it (collective errors)."
+    return RankFailedError(message, rank=first.rank, exit_code=None, log_dir=log_dir)
+
+
 def _summary(failure: RankFailure) -> str:
+    if failure.lost is not None:
+        return failure.lost
     if failure.record is not None:
         return f"{failure.record.type_name.rsplit('.', 1)[-1]}: {failure.record.message}"[:200]
     return exit_words(failure.exit_code)

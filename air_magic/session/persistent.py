@@ -41,10 +41,10 @@ from air_magic.backends.output import RankTail
 from air_magic.display.widgets import make_consumers
 from air_magic.errors import ConfigurationError, DistributedTimeoutError, LaunchError
 from air_magic.launch.failures import RankFailure, build_exception
+from air_magic.launch.ledger import load_results, timeout_error
 from air_magic.launch.payload import build_payload
 from air_magic.launch.request import CellSender, RunResult, new_run_id
 from air_magic.launch.settings import LaunchSettings, make_settings
-from air_magic.launch.stacks import timeout_section
 from air_magic.protocol import env_names, serialization
 from air_magic.protocol.events import (
     Event,
@@ -647,13 +647,10 @@ class Session:
     # -- outcomes ---------------------------------------------------------------------------
 
     def _results(self, cell: _Cell) -> list[Any]:
-        values = []
-        for rank in range(self.world_size):
-            data = cell.results.get(rank)
-            if data is None:
-                raise LaunchError(f"rank {rank} answered {cell.name} but its result is missing")
-            values.append(serialization.loads(data))
-        return values
+        missing = [rank for rank in range(self.world_size) if rank not in cell.results]
+        if missing:
+            raise LaunchError(f"rank {missing[0]} answered {cell.name} but its result is missing")
+        return load_results(None, [(rank, cell.results[rank]) for rank in range(self.world_size)])
 
     def _stacks(self, ranks: list[int]) -> dict[int, str]:
         """The thread stacks of these ranks, from the backend (on this machine or the nodes')."""
@@ -670,8 +667,10 @@ class Session:
         for rank, record in sorted(cell.records.items()):
             if record is None:
                 continue
-            when = record.time if rank not in cell.interrupted else float("inf")  # a consequence
-            failures.append(RankFailure(rank, when, None, record))
+            # A rank interrupted because another failed: a consequence, never the root cause.
+            failures.append(
+                RankFailure.of(rank, record.time, None, record, consequence=rank in cell.interrupted)
+            )
         return failures
 
     def _cell_error(self, cell: _Cell) -> BaseException:
@@ -690,23 +689,13 @@ class Session:
     def _timeout_error(
         self, cell: _Cell, limit: float, tails: dict[int, list[str]], stacks: dict[int, str], recovered: bool
     ) -> DistributedTimeoutError:
-        lines = []
-        for rank, tail in tails.items():
-            shown = "\n".join(f"      {line}" for line in tail) if tail else "      (nothing printed)"
-            lines.append(f"  rank {rank} was still running; its last lines:\n{shown}")
-        lines += timeout_section(stacks, self.log_dir or "")
         kept = (
             f"the cell was interrupted on every rank and session {self.id} goes on"
             if recovered
             else f"session {self.id} ended: {self.ended_why}"
         )
-        return DistributedTimeoutError(
-            f"{cell.name} timed out after {limit:g} s (timeout={limit:g}); {kept}.\n"
-            + "\n".join(lines)
-            + f"\n  Logs: {self.log_dir}",
-            still_running=list(tails),
-            log_dir=self.log_dir,
-        )
+        rows = [(rank, tail, False) for rank, tail in tails.items()]
+        return timeout_error(limit, rows, stacks, self.log_dir or "", subject=cell.name, then=kept)
 
     def _session_error(self, when: str) -> SessionEndedError:
         """The session's own end (a rank died, or it was stopped), as the cell that saw it raises it."""

@@ -6,7 +6,7 @@
     RayBackend.prepare(settings)   connect (cluster.py: ray_init's safe defaults when it starts Ray);
                                    the pool for this many ranks: placement group + one agent per node
                                    (placement.py), their warm starters on their way; the plan
-    RayBackend.run(request, bus)   run_loop.RayRun: start, follow and end the call on the agents
+    RayBackend.run(request, bus)   run_loop.RayCall: start, follow and end the call on the agents
     RayBackend.stop()              from any thread: the call ends 'interrupted', every rank stopped
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from air_magic.backends.local import warm
 from air_magic.backends.ray import cluster, placement
-from air_magic.backends.ray.run_loop import RayRun
+from air_magic.backends.ray.run_loop import RayCall
 from air_magic.errors import LaunchError
 from air_magic.launch.accelerators import AcceleratorPlan
 from air_magic.launch.request import LaunchRequest, RunResult, StopRequest
@@ -31,7 +31,7 @@ class RayBackend:
         self.name = "ray-warm" if warm_start else "ray-fresh"
         self._stop_requested = StopRequest()
         self._pool: placement.Pool | None = None
-        self._run: RayRun | None = None  # the call in progress, for stacks()
+        self._run: RayCall | None = None  # the call in progress, for stacks()
 
     def prepare(self, settings: LaunchSettings) -> AcceleratorPlan:
         cluster.require_ray()
@@ -54,7 +54,7 @@ class RayBackend:
         if not pool.in_use.acquire(blocking=False):
             raise LaunchError("another call of this process is running on the Ray cluster: one at a time")
         try:
-            loop = RayRun(
+            loop = RayCall(
                 request,
                 bus,
                 pool,
