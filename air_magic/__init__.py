@@ -27,6 +27,7 @@ from air_magic.errors import (
     PayloadError,
     RankFailedError,
     RemoteTraceback,
+    SessionEndedError,
 )
 
 # The caller's side is imported on first use: a rank imports ``air_magic.worker`` through this
@@ -48,7 +49,6 @@ _LAZY = {
     "init_process_group": "air_magic.worker.torch_helpers",
     "session": "air_magic.session",  # the package is callable: air_magic.session(num_accelerators=2)
     "Session": "air_magic.session.persistent",
-    "SessionEndedError": "air_magic.session.persistent",
 }
 
 if TYPE_CHECKING:
@@ -60,7 +60,7 @@ if TYPE_CHECKING:
     from air_magic.session.call import restart_warm_start
     from air_magic.session.detached import attach, runs
     from air_magic.session.history import RunInfo, last_run
-    from air_magic.session.persistent import Session, SessionEndedError
+    from air_magic.session.persistent import Session
     from air_magic.worker.torch_helpers import init_process_group
 
 

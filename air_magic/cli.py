@@ -34,7 +34,7 @@ import traceback
 from types import FrameType
 from typing import Any
 
-from air_magic import paths
+from air_magic import verbs
 from air_magic.display.json_lines import JsonLines
 from air_magic.display.text import TextDisplay
 from air_magic.errors import (
@@ -117,15 +117,10 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="air-magic",
         description="Run PyTorch training on every GPU of this machine (or a Ray cluster).",
-        epilog="air-magic run --help: the options of a run",
     )
-    parser.add_argument(
-        "command",
-        choices=["run", "runs", "logs", "attach", "cancel", "ui"],
-        help="run: TARGET on every rank; runs: the recent calls; logs RUN [RANK]: a call's logs; "
-        "attach [RUN]: follow a detached run (run --detach); cancel RUN: stop one; "
-        "ui [--run RUN_ID]: the MLflow UI over the store (started if needed)",
-    )
+    parser.add_argument("command", choices=verbs.names("cli"), help="one of the commands below")
+    parser.epilog = "commands:\n" + verbs.help_text("cli") + "\n\nair-magic run --help: the options of a run"
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     return parser
 
 
@@ -270,62 +265,21 @@ def _small_parser(prog: str, description: str) -> argparse.ArgumentParser:
 
 
 def _runs(argv: list[str]) -> int:
-    parser = _small_parser(
-        "air-magic runs", "The recent calls, newest first: outcome, ranks, time, log folder."
-    )
+    parser = _small_parser("air-magic runs", verbs.VERB["runs"].does + ".")
     parser.add_argument("-n", type=int, default=20, help="how many (default: 20)")
     args = parser.parse_args(argv)
-    summaries = history.read_summaries(args.log_dir or paths.default_log_root())
-    listed = {s["run_id"] for s in summaries}
-    supervised = {run.id: run for run in detached.runs()}
-    rows: list[tuple[str, str]] = []  # (run id, line): ids begin with the time, so they sort by age
-    for run in supervised.values():  # a detached run whose ranks have not started has no log folder yet
-        if args.log_dir is None and run.id not in listed and run.status in ("starting", "lost"):
-            rows.append(
-                (
-                    run.id,
-                    f"{run.id}  {run.status:<11} {run.world_size!s:>3} rank(s) {'':>9}  "
-                    f"{run.name}  (detached)",
-                )
-            )
-    for summary in summaries:
-        if summary["run_id"] in supervised:  # its supervisor knows best: 'cancelled', 'lost' (it died)
-            summary["outcome"] = supervised[summary["run_id"]].status
-        took = summary.get("elapsed")
-        took_text = "" if took is None else f"{took:.1f} s"
-        outcome, ranks = summary.get("outcome", "?"), summary.get("world_size", "?")
-        line = (
-            f"{summary['run_id']}  {outcome:<11} {ranks!s:>3} rank(s) {took_text:>9}  "
-            f"{summary.get('name', '?')}  {summary.get('log_dir', '')}"
-        )
-        rows.append((summary["run_id"], line))
-    for _, line in sorted(rows, reverse=True)[: args.n]:
+    for line in verbs.runs(args.log_dir, args.n):
         print(line)
     return 0
 
 
 def _logs(argv: list[str]) -> int:
-    parser = _small_parser(
-        "air-magic logs", "A call's log folder, or one rank's log (RUN: a run id, or 'last')."
-    )
-    parser.add_argument("run", metavar="RUN")
-    parser.add_argument("rank", metavar="RANK", nargs="?", type=int)
+    parser = _small_parser("air-magic logs", verbs.VERB["logs"].does + ".")
+    parser.add_argument("words", nargs="*", metavar="[RUN] [RANK]")
     args = parser.parse_args(argv)
-    summaries = history.read_summaries(args.log_dir or paths.default_log_root())
-    found = summaries[:1] if args.run == "last" else [s for s in summaries if s["run_id"] == args.run]
-    if not found:
-        raise UsageError(f"no call {args.run!r} (air-magic runs lists them)")
-    log_dir = found[0]["log_dir"]
-    if args.rank is None:
-        print(log_dir)
-        for name in sorted(os.listdir(log_dir)):
-            print(f"  {name}  {os.path.getsize(os.path.join(log_dir, name))} bytes")
-        return 0
-    path = paths.rank_log(log_dir, args.rank)
-    if not os.path.exists(path):
-        raise UsageError(f"call {found[0]['run_id']} has no log of rank {args.rank}")
-    with open(path, errors="replace") as f:
-        sys.stdout.write(f.read())
+    run, rank = verbs.split_logs_args(args.words)
+    text = verbs.logs(run, rank, args.log_dir)
+    sys.stdout.write(text if text.endswith("\n") or not text else text + "\n")
     return 0
 
 

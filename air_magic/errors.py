@@ -80,6 +80,10 @@ class LaunchError(AirMagicError):
     """A rank process could not be started."""
 
 
+class SessionEndedError(LaunchError):
+    """A persistent session's ranks are gone (a rank died, or did not recover from an interrupt)."""
+
+
 class DistributedTimeoutError(AirMagicError, TimeoutError):
     """The call ran past its ``timeout``; every rank was stopped."""
 

@@ -5,7 +5,7 @@ call's own temp folder goes through here before it is written. The log root
 (``output.make_log_dir``, every call), the warm starter's ``starter.log``
 (``warm.Starter``), the embedded MLflow store and its artifacts (``tracking``)
 and the UI server's log (``mlflow_ui``). Before each call makes its temp
-folders, ``LocalLauncher.run`` sweeps the temp folders that dead callers of this
+folders, ``LocalBackend.run`` sweeps the temp folders that dead callers of this
 user left behind (a SIGKILLed kernel cannot remove its ``payload.pkl``).
 
 The rules (docs/security.md says why):

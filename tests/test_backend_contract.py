@@ -354,10 +354,10 @@ def test_a_ranks_output_all_comes_before_its_exit(backend):
 
 
 def test_folders_are_private_and_the_call_folder_is_gone(backend):
-    (run_dir, log_dir), _ = call(backend, writes_run_dir).unwrap()
-    assert not os.path.exists(run_dir)  # removed after the call: the arguments were in it
+    (call_dir, log_dir), _ = call(backend, writes_run_dir).unwrap()
+    assert not os.path.exists(call_dir)  # removed after the call: the arguments were in it
     if backend.name.startswith("local"):  # a Ray node's call folder is in that node's temp folder
-        assert os.path.dirname(run_dir) == tempfile.gettempdir()
+        assert os.path.dirname(call_dir) == tempfile.gettempdir()
     assert stat.S_IMODE(os.stat(log_dir).st_mode) == 0o700
     for name in os.listdir(log_dir):
         assert stat.S_IMODE(os.stat(os.path.join(log_dir, name)).st_mode) == 0o600, name

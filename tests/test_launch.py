@@ -291,11 +291,12 @@ def _run_dir_modes():
     import os
     import stat
 
-    run_dir = os.environ["AIR_MAGIC_RUN_DIR"]
+    call_dir = os.environ["AIR_MAGIC_RUN_DIR"]
     files = {
-        name: oct(stat.S_IMODE(os.stat(os.path.join(run_dir, name)).st_mode)) for name in os.listdir(run_dir)
+        name: oct(stat.S_IMODE(os.stat(os.path.join(call_dir, name)).st_mode))
+        for name in os.listdir(call_dir)
     }
-    return oct(stat.S_IMODE(os.stat(run_dir).st_mode)), files
+    return oct(stat.S_IMODE(os.stat(call_dir).st_mode)), files
 
 
 def test_run_directory_is_private():
@@ -390,3 +391,35 @@ def test_a_deleted_working_folder_is_said_before_launch(tmp_path):
     )
     assert "refused: <lambda>: this process's working folder no longer exists" in done.stdout, done.stderr
     assert "MKL" not in done.stderr
+
+
+def test_a_caller_holding_1200_open_files_launches_warm_and_fresh(tmp_path):
+    """A kernel with a data loader and many sockets: descriptors numbered past 1,023 (select()'s
+    ceiling) work, and a soft open-file limit too small for the ranks is raised, as far as needed."""
+    import resource
+    import subprocess
+
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[1] < 2000:
+        pytest.skip("the hard open-file limit here is below 2,000")
+    code = (
+        "import os, resource, air_magic\n"
+        "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (1300, hard))\n"
+        "held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1200)]\n"
+        "assert max(held) > 1200\n"
+        "for warm in (True, False):\n"
+        "    fn = air_magic.distributed(num_accelerators=4, display='none', tracking=False,\n"
+        "                               warm_start=warm, log_dir=os.environ['LOGS'])(lambda: os.getpid())\n"
+        "    print('ranks', warm, len(set(fn.distributed())), flush=True)\n"
+        "print('limit', resource.getrlimit(resource.RLIMIT_NOFILE)[0])\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "LOGS": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "ranks True 4" in done.stdout and "ranks False 4" in done.stdout
+    assert int(done.stdout.split("limit ")[1]) > 1300  # raised for the ranks' pipes, pidfds and logs

@@ -6,7 +6,9 @@ the rank side (worker) imports nothing of the caller's side. Every import counts
 also those inside functions: a lazy import is still an arrow.
 
 ``python tests/test_layers.py [PACKAGE_DIR]`` prints the numbers: modules, floors,
-arrows that run back up, circles, the largest module and function.
+arrows that run back up, circles, the largest module and function;
+``python tests/test_layers.py --write`` rewrites the layer table of
+docs/architecture.md from this map (a test fails when the two disagree).
 """
 
 from __future__ import annotations
@@ -40,6 +42,25 @@ LAYER_OF = {
     "air_magic.autoload": "surface",
     "air_magic.notebook": "surface",
     "air_magic.cli": "surface",
+    "air_magic.__main__": "surface",
+    "air_magic.verbs": "surface",
+    "air_magic.runtime": "worker",  # inside a rank: where it stands (reads its environment only)
+}
+# What each layer is for, in the order of the table in docs/architecture.md (top to bottom).
+JOBS = {
+    "face": "re-exports (lazily: a rank pays for none of the caller's side), `load_ipython_extension`",
+    "surface": "what the user calls",
+    "session": "the one place that picks a backend and wires the consumers of a call; where it runs "
+    "(foreground, a background thread, a detached supervisor, a persistent session)",
+    "backends": "how ranks start, are watched and stop: one call loop, one rank group per node",
+    "display": "show a call; never drives processes",
+    "tracking": "record a call in MLflow; never drives processes",
+    "launch": "what to run and where, and how a call ended (the one outcome ledger and root-cause rule); "
+    "knows no backend",
+    "data": "a library for training code inside a rank (docs/data.md)",
+    "worker": "runs inside a rank",
+    "base": "the error tree; every folder name; private files; the one stop-a-tree function",
+    "protocol": "what caller, backends and ranks agree on",
 }
 BELOW_SESSION = {"display", "tracking", "launch", "worker", "protocol", "base"}
 # What each layer may import besides itself.
@@ -190,11 +211,63 @@ def _functions(tree: ast.AST) -> Iterator[ast.FunctionDef | ast.AsyncFunctionDef
 # -- the tests -------------------------------------------------------------------------------
 
 
-def test_every_module_has_a_layer():
-    unplaced = [
-        name for name in modules() if not any(name == p or name.startswith(p + ".") for p in LAYER_OF)
+def unplaced(names: list[str]) -> list[str]:
+    """Modules no entry of LAYER_OF names (the root package's entry covers only itself)."""
+    return [
+        name
+        for name in names
+        if name != "air_magic"
+        and not any(p != "air_magic" and (name == p or name.startswith(p + ".")) for p in LAYER_OF)
     ]
-    assert unplaced == [], f"modules in no layer (add them to LAYER_OF and docs/architecture.md): {unplaced}"
+
+
+def test_every_module_has_a_layer():
+    missing = unplaced(list(modules()))
+    assert missing == [], f"modules in no layer (add them to LAYER_OF): {missing}"
+
+
+def test_a_module_in_no_layer_is_caught():
+    assert unplaced(["air_magic", "air_magic.launch.ledger", "air_magic.newthing"]) == ["air_magic.newthing"]
+
+
+def table(package: Path = PACKAGE) -> str:
+    """The layer table of docs/architecture.md: each layer's modules, job and what it may import."""
+    by_layer: dict[str, list[str]] = {name: [] for name in JOBS}
+    for name, path in modules(package).items():
+        shown = str(path.relative_to(package)).replace("/__init__.py", "/")
+        if path.name == "__init__.py" and name != "air_magic":
+            continue  # the folder stands for its package
+        by_layer[layer(name)].append(shown)
+    lines = ["| layer | modules | job | may import |", "|---|---|---|---|"]
+    for name, job in JOBS.items():
+        folders: dict[str, list[str]] = {}
+        for shown in sorted(by_layer[name]):
+            folder, _, file = shown.rpartition("/")
+            folders.setdefault(folder, []).append(file)
+        parts = [
+            f"`{folder}/` ({', '.join(f'`{f}`' for f in files)})"
+            if folder
+            else ", ".join(f"`{f}`" for f in files)
+            for folder, files in sorted(folders.items())
+        ]
+        allowed = sorted(MAY_IMPORT[name]) if name != "face" else ["anything"]
+        lines.append(f"| {name} | {'; '.join(parts)} | {job} | {', '.join(allowed) or 'nothing of ours'} |")
+    return "\n".join(lines)
+
+
+DOC = PACKAGE.parent / "docs" / "architecture.md"
+BEGIN, END = "<!-- layer-table:begin -->", "<!-- layer-table:end -->"
+
+
+def rendered(doc: str) -> str:
+    head, _, rest = doc.partition(BEGIN)
+    _, _, tail = rest.partition(END)
+    return f"{head}{BEGIN}\n{table()}\n{END}{tail}"
+
+
+def test_the_architecture_documents_layer_table_matches_the_map():
+    doc = DOC.read_text()
+    assert BEGIN in doc and doc == rendered(doc), "stale: run `python tests/test_layers.py --write`"
 
 
 def test_imports_run_one_way_down():
@@ -228,6 +301,10 @@ def test_the_check_itself_catches_an_arrow_up_and_a_circle(tmp_path):
 
 
 def main() -> None:
+    if sys.argv[1:] == ["--write"]:
+        DOC.write_text(rendered(DOC.read_text()))
+        print(f"wrote the layer table of {DOC}")
+        return
     package = Path(sys.argv[1]).resolve() if len(sys.argv) > 1 else PACKAGE
     edges = graph(package)
     (module_lines, module), (function_lines, function) = largest(package)

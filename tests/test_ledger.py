@@ -217,6 +217,8 @@ def test_exits_after_the_teardown_are_classified_by_their_record():
     before = RankRecord(0, exit_code=-signal.SIGKILL, exit_time=5.0)
     assert classify_exit(req, before, teardown_at=9.9) == (RankState.FAILED, "killed by SIGKILL")
     assert classify_exit(req, RankRecord(0, exit_code=3), None) == (RankState.FAILED, "exited with status 3")
+    script_exit = RankRecord(0, exit_code=3, error=record(0, 1.0, SystemExit(3)))  # a script's sys.exit(3)
+    assert classify_exit(req, script_exit, None) == (RankState.FAILED, "exited with status 3")
     script = request(exit_zero_succeeds=True)
     assert classify_exit(script, RankRecord(0, exit_code=0), None)[0] is RankState.SUCCEEDED
     assert classify_exit(req, RankRecord(0, exit_code=0), None) == (

@@ -10,7 +10,7 @@ def _env(place, master_addr="10.0.0.1", gpus=None):
     plan = AcceleratorPlan(world_size=place.world_size, gpus=GPUS, detected="GPU_4xH200")
     return rank_environment(
         place=place, plan=plan, master_addr=master_addr, master_port=29600, run_id="r",
-        run_dir="/d", log_dir="/l", lifeline_fd=3, extra={}, base={}, gpus=gpus,
+        call_dir="/d", log_dir="/l", lifeline_fd=3, extra={}, base={}, gpus=gpus,
     )  # fmt: skip
 
 

@@ -95,14 +95,14 @@ def test_log_and_mlflow_folders_are_private():
 
 @pytest.mark.parametrize("mode", [0o777, 0o755, 0o770])
 def test_a_rank_refuses_a_payload_from_a_folder_others_can_write(tmp_path, mode):
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    (run_dir / wire.LAUNCH_FILE).write_text(json.dumps({"sys_path": sys.path, "argv": [""]}))
-    (run_dir / wire.PAYLOAD_FILE).write_bytes(b"not even a pickle")
-    os.chmod(run_dir, mode)
+    call_dir = tmp_path / "run"
+    call_dir.mkdir()
+    (call_dir / wire.LAUNCH_FILE).write_text(json.dumps({"sys_path": sys.path, "argv": [""]}))
+    (call_dir / wire.PAYLOAD_FILE).write_bytes(b"not even a pickle")
+    os.chmod(call_dir, mode)
     env = dict(os.environ, RANK="0")
     done = subprocess.run(
-        [sys.executable, "-c", rank_entry.BOOTSTRAP, str(run_dir)],
+        [sys.executable, "-c", rank_entry.BOOTSTRAP, str(call_dir)],
         env=env,
         capture_output=True,
         text=True,
@@ -349,7 +349,7 @@ def _env_of_rank(plan, base, extra=None):
 
     return rank_environment(
         place=RankPlace.on_one_node(0, plan.world_size), plan=plan, master_addr="127.0.0.1",
-        master_port=12345, run_id="r", run_dir="/x", log_dir="/y",
+        master_port=12345, run_id="r", call_dir="/x", log_dir="/y",
         lifeline_fd=3, extra=extra or {}, base=base,
     )  # fmt: skip
 

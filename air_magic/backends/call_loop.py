@@ -30,7 +30,7 @@ from air_magic.errors import DistributedTimeoutError, PayloadError
 from air_magic.launch.ledger import CallLedger, stopped_error
 from air_magic.launch.request import LaunchRequest, RunResult, StopRequest, new_run_id
 from air_magic.launch.stacks import discard_rank_files
-from air_magic.protocol.events import EventBus, RunFinished, RunStarted, Tick
+from air_magic.protocol.events import EventBus, Outcome, RunFinished, RunStarted, Tick
 
 # How long ranks get between SIGTERM and SIGKILL after a failure or a timeout: long enough for
 # Python to run its atexit hooks and flush logs, short enough that a stuck rank does not hold the
@@ -128,28 +128,28 @@ class CallLoop(ABC):
 
     def execute(self) -> RunResult:
         """Run the call to its end (its RunStarted was said as its log folder was made)."""
-        outcome = "failed"
+        outcome = Outcome.FAILED
         error: BaseException | None = None
         try:
             if self.stop_requested.is_set():  # stopped before a rank started: nothing is started
-                outcome, error = "interrupted", stopped_error(self.request.name)
+                outcome, error = Outcome.INTERRUPTED, stopped_error(self.request.name)
                 return self._result(outcome, error=error)
             if not self.start():
                 if self.stop_requested.is_set():
-                    outcome, error = "interrupted", stopped_error(self.request.name)
+                    outcome, error = Outcome.INTERRUPTED, stopped_error(self.request.name)
                 else:
-                    outcome, error = "timeout", self.start_timeout_error()
+                    outcome, error = Outcome.TIMEOUT, self.start_timeout_error()
                 return self._result(outcome, error=error)
             outcome = self._watch()
-            if outcome == "succeeded":
+            if outcome is Outcome.SUCCEEDED:
                 try:
                     return self._result(outcome, values=self.ledger.results())
                 except PayloadError as exc:
-                    outcome, error = "failed", exc
-            elif outcome == "interrupted":  # stop() from another thread
+                    outcome, error = Outcome.FAILED, exc
+            elif outcome is Outcome.INTERRUPTED:  # stop() from another thread
                 self.stop(self.stop_requested.grace(self.request.stop_grace), self.stop_requested.signum)
                 error = stopped_error(self.request.name)
-            elif outcome == "timeout":
+            elif outcome is Outcome.TIMEOUT:
                 running = self.ledger.running()
                 stacks = self.stacks()  # before they are stopped: what each rank was doing
                 self.stop(GRACE_S)
@@ -158,7 +158,7 @@ class CallLoop(ABC):
                 error = self.fail()
             return self._result(outcome, error=error)
         except KeyboardInterrupt as exc:
-            outcome = "interrupted"
+            outcome = Outcome.INTERRUPTED
             signum = getattr(exc, "signum", signal.SIGINT)
             self.stop(self.stop_requested.grace(self.request.stop_grace), signum)
             raise
@@ -184,11 +184,11 @@ class CallLoop(ABC):
                     )
                 )
 
-    def _result(self, outcome: str, **kwargs: object) -> RunResult:
+    def _result(self, outcome: Outcome, **kwargs: object) -> RunResult:
         return RunResult(self.run_id, self.log_dir, outcome, **kwargs)  # type: ignore[arg-type]
 
-    def _watch(self) -> str:
-        """Follow the ranks; 'succeeded', 'failed', 'timeout' or 'interrupted' (stop())."""
+    def _watch(self) -> Outcome:
+        """Follow the ranks; SUCCEEDED, FAILED, TIMEOUT or INTERRUPTED (stop())."""
         next_tick = 0.0
         while True:
             now = time.monotonic()
@@ -196,17 +196,17 @@ class CallLoop(ABC):
                 next_tick = now + TICK_S
                 self.bus.emit(Tick(elapsed=now - self.started))
             if self.stop_requested.is_set():
-                return "interrupted"
+                return Outcome.INTERRUPTED
             if self.ledger.failed(now):
                 self.settle()
-                return "failed"
+                return Outcome.FAILED
             if self.ledger.all_exited():
-                return "succeeded"
+                return Outcome.SUCCEEDED
             wait = TICK_S
             if self.deadline is not None:
                 wait = min(wait, self.deadline - now)
                 if wait <= 0:
-                    return "timeout"
+                    return Outcome.TIMEOUT
             self.pump(wait)
 
     def _deadline_passed(self) -> bool:

@@ -1,14 +1,14 @@
 """Where rank output goes: per-rank log files, live events, and a tail for error messages.
 
 Each rank's stdout and stderr are pipes (file-descriptor level, so C
-``printf`` and NCCL's messages are caught too). The launcher's loop reads
+``printf`` and NCCL's messages are caught too). The rank groups read
 them and hands each chunk to :class:`OutputRouter`, which
 
 1. appends the raw bytes to ``<log_dir>/rank-<N>.log``, so the full log
    survives whatever the display does. Both streams share the file, whole
    lines at a time (a partial line waits for its newline), so a stdout line
    and a stderr line never end up glued together; their relative order is
-   the order the launcher read them, which two pipes cannot make exact;
+   the order the rank group read them, which two pipes cannot make exact;
 2. emits a :class:`~air_magic.protocol.events.RankOutput` event with the decoded text;
 3. keeps the last lines of each rank for timeout and failure messages.
 
@@ -33,7 +33,7 @@ import shutil
 
 from air_magic import paths, private_files
 from air_magic.errors import ConfigurationError
-from air_magic.protocol.events import EventBus, RankOutput
+from air_magic.protocol.events import EventBus, Outcome, RankOutput
 from air_magic.protocol.lines import MAX_PARTIAL, LineSplitter, visible
 
 KEEP_RUNS = 100  # log folders kept under the default root: weeks of work, megabytes not gigabytes
@@ -82,7 +82,9 @@ def _still_running(log_dir: str) -> bool:
             summary = json.load(f)
     except (OSError, ValueError):
         return False
-    return summary.get("outcome") == "running" and private_files.owner_alive(str(summary.get("owner", "")))
+    return summary.get("outcome") == Outcome.RUNNING and private_files.owner_alive(
+        str(summary.get("owner", ""))
+    )
 
 
 class RankTail:

@@ -30,6 +30,7 @@ from air_magic.display import record
 from air_magic.display.screen import RankScreen
 from air_magic.protocol.events import (
     Event,
+    Outcome,
     RankExited,
     RankOutput,
     RankStarted,
@@ -94,7 +95,7 @@ class WidgetDisplay:
         self._dirty: set[int] = set()
         self._last_flush = 0.0
         self._run: RunStarted | None = None
-        self._outcome = "running"
+        self._outcome: str = Outcome.RUNNING  # or "starting" (tabs shown before the call starts)
         self._elapsed = 0.0
         self._t0 = time.monotonic()
         self._name = ""
@@ -121,7 +122,7 @@ class WidgetDisplay:
             return
         if isinstance(event, RunStarted):
             self._run = event
-            self._outcome = "running"
+            self._outcome = Outcome.RUNNING
             if not self._screens or len(self._screens) != event.world_size:
                 self._make(event.world_size)
             else:

@@ -89,9 +89,10 @@ def classify_exit(request: LaunchRequest, r: RankRecord, teardown_at: float | No
     if rank_succeeded(request, r.exit_code, r.returned):
         return RankState.SUCCEEDED, "returned"
     if teardown_at is None or (r.exit_time is not None and r.exit_time < teardown_at):
-        if r.error is not None:
+        code = None if r.status_lost else r.exit_code
+        if r.error is not None and not (code is not None and code > 1):  # a script's sys.exit(N) says N
             return RankState.FAILED, "raised an exception"
-        return RankState.FAILED, _exit_reason(None if r.status_lost else r.exit_code)
+        return RankState.FAILED, _exit_reason(code)
     raised_at = error_time(r.error)
     if raised_at is not None and (raised_at < teardown_at or raised_on_its_own(r.error)):
         # Its own exception, just before the others were stopped (its exit came late), or after it:

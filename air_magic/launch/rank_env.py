@@ -38,7 +38,7 @@ def rank_environment(
     master_addr: str,
     master_port: int,
     run_id: str,
-    run_dir: str,
+    call_dir: str,
     log_dir: str,
     lifeline_fd: int,
     extra: Mapping[str, str],
@@ -72,7 +72,7 @@ def rank_environment(
             # A failed collective aborts the communicator instead of hanging until the watchdog.
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
             env_names.RUN_ID: run_id,
-            env_names.RUN_DIR: run_dir,
+            env_names.RUN_DIR: call_dir,
             env_names.LOG_DIR: log_dir,
             env_names.LIFELINE_FD: str(lifeline_fd),
             env_names.CALLER_PID: str(os.getpid()),

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from air_magic.launch.accelerators import AcceleratorPlan
 from air_magic.launch.settings import DEFAULT_STOP_GRACE
+from air_magic.protocol.events import Outcome
 
 
 @dataclass(frozen=True)
@@ -68,13 +69,13 @@ class CellChannel(Protocol):
 class RunResult:
     """How a call ended: every rank's value in rank order, or the error to raise.
 
-    ``outcome`` is 'succeeded', 'failed', 'timeout' or 'interrupted' (stopped by
+    ``outcome`` is SUCCEEDED, FAILED, TIMEOUT or INTERRUPTED (stopped by
     :meth:`Backend.stop <air_magic.backends.base.Backend.stop>`).
     """
 
     run_id: str
     log_dir: str
-    outcome: str
+    outcome: Outcome
     values: list[Any] | None = None
     error: BaseException | None = None
 

@@ -32,10 +32,7 @@ from __future__ import annotations
 
 import argparse
 import ast
-import builtins
 import inspect
-import linecache
-import types
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -44,12 +41,12 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.utils.process import arg_split
 
-from air_magic import paths
-from air_magic.errors import ConfigurationError, PayloadError
+from air_magic import paths, verbs
+from air_magic.errors import ConfigurationError
 from air_magic.launch.accelerators import describe, detect_gpus
 from air_magic.launch.settings import LaunchSettings, argument_specs, make_settings, settings_from_args
+from air_magic.notebook import namespace
 from air_magic.notebook.cell_analysis import names_assigned, names_deleted, names_read, star_imports
-from air_magic.protocol import serialization
 from air_magic.session import background, detached, history, persistent
 from air_magic.session import call as session
 from air_magic.worker import cell_runner
@@ -108,10 +105,10 @@ class DistributedMagics(Magics):
         # IPython counts the cell before running it: the cell's own number is one less.
         number = max(shell.execution_count - 1, 0)
         source = shell.transform_cell(cell)
-        _refuse_magics(cell, source)
-        filename = _register_source(shell, source, number)
+        namespace.refuse_magics(cell, source)
+        filename = namespace.register_source(shell, source, number)
         tree = ast.parse(source, filename)  # a SyntaxError is shown as usual, before launch
-        error = _compile_as_the_rank_will(source, filename)
+        error = namespace.compile_as_the_rank_will(source, filename)
         if error is not None:
             raise error  # from here: IPython lists every frame a SyntaxError in a magic went through
 
@@ -123,7 +120,7 @@ class DistributedMagics(Magics):
         if live is not None:  # the ranks' own objects win over the notebook's copies (docs/session.md)
             ns = shell.user_ns
             wanted = [n for n in wanted if n in pushed or not (n in ns and live.held_by_ranks(n, ns[n]))]
-        values, modules, skipped = _capture(shell, wanted, pushed)
+        values, modules, skipped = namespace.capture(shell, wanted, pushed)
         if skipped:
             print(f"air_magic: not sent (IPython's own): {', '.join(skipped)}")
         watch: list[str] = []
@@ -144,11 +141,11 @@ class DistributedMagics(Magics):
         deleted = set(names_deleted(tree))
 
         def bring_back(outcomes: list[cell_runner.CellOutcome]) -> Any:
-            return _bring_back(
+            return namespace.bring_back(
                 shell,
                 outcomes,
-                _ends_with_expression(tree),
-                imported=set(_imported(tree)),
+                namespace.ends_with_expression(tree),
+                imported=set(namespace.imported(tree)),
                 deleted=deleted,
                 session=live,
                 asked=pull if args.pull is not None else [],
@@ -180,7 +177,7 @@ class DistributedMagics(Magics):
 
     @line_magic("distributed")  # type: ignore[arg-type]
     def distributed_line(self, line: str) -> Any:
-        """%distributed status | logs [RANK] | settings | help"""
+        """(Set below from the verb table, air_magic/verbs.py.)"""
         words = line.split()
         command = words[0] if words else "status"
         if command == "status":
@@ -197,14 +194,15 @@ class DistributedMagics(Magics):
             print("air_magic: the warm starter was stopped; the next call starts a fresh one")
             return None
         if command == "runs":
-            return _runs()
+            print("\n".join(verbs.runs()) or "air_magic: no call yet in the log folder")
+            return None
         if command == "attach":
             return _attach(words[1:])
         if command == "stack":
             return _stack(words[1:])
         if command == "cancel":
             return _cancel(words[1:])
-        if command == "mlflow-ui":
+        if command in ("ui", "mlflow-ui"):  # mlflow-ui: its first name
             return _mlflow_ui()
         if command == "session":
             return self._session(line.split(None, 1)[1] if len(words) > 1 else "")
@@ -271,18 +269,8 @@ def _check_session_options(live: persistent.Session, args: argparse.Namespace) -
         )
 
 
-_HELP = """%distributed status        the last run: outcome, time, each rank's state, log folder
-%distributed logs [RANK]   where the last run's logs are, or the end of one rank's log
-%distributed stack [RANK]  every thread's stack in each rank of the running background run
-%distributed cancel [RUN]  stop this kernel's newest run going on (or the detached run RUN)
-%distributed runs          this user's detached runs on this machine, from any kernel
-%distributed attach [RUN]  re-open a detached run (default: the newest running): output so far, then live
-%distributed settings      what this machine has, where logs go
-%distributed restart       rebuild the warm starter (it also rebuilds itself after package changes)
-%distributed session start [options]   keep ranks up between cells (-n, --timeout per cell...)
-%distributed session status|restart|stop   what the session holds; a new one; its end
-%distributed mlflow-ui     the MLflow UI over the local store (shared by your kernels; started if needed)
-%%distributed [options]    run the cell on every rank (%%distributed? lists the options)"""
+_HELP = verbs.help_text("magic")
+setattr(DistributedMagics.distributed_line, "__doc__", "%distributed VERB, one of:\n\n" + _HELP)  # noqa: B010
 
 
 def _settings(args: argparse.Namespace) -> LaunchSettings:
@@ -291,160 +279,6 @@ def _settings(args: argparse.Namespace) -> LaunchSettings:
         return make_settings(**settings_from_args(args))
     except ConfigurationError as exc:  # a check across settings, should one appear
         raise UsageError(str(exc)) from None
-
-
-def _refuse_magics(cell: str, source: str) -> None:
-    """Line magics and shell escapes need the notebook's shell, which a rank does not have."""
-    if "get_ipython()" not in source or "get_ipython()" in cell:
-        return
-    raw = cell.splitlines()
-    bad = [
-        f"line {i}: {raw[i - 1].strip() if i - 1 < len(raw) else line.strip()}"
-        for i, line in enumerate(source.splitlines(), 1)
-        if "get_ipython()" in line
-    ]
-    raise UsageError(
-        "%%distributed cannot run IPython magics or shell escapes inside the ranks ("
-        + "; ".join(bad)
-        + "). Run them in a cell of their own, or use subprocess/os in the cell."
-    )
-
-
-def _compile_as_the_rank_will(source: str, filename: str) -> SyntaxError | None:
-    """The error every rank would hit on what only a function may hold (``return``, ``await``...)."""
-    try:
-        cell_runner.compile_cell(source, filename)
-    except SyntaxError as exc:
-        text = exc.text
-        lines = source.splitlines()
-        if text is None and exc.lineno is not None and 0 < exc.lineno <= len(lines):
-            text = lines[exc.lineno - 1] + "\n"  # compiling a tree leaves it out; IPython shows it
-        where = (filename, exc.lineno, exc.offset, text, exc.end_lineno, exc.end_offset)
-        return SyntaxError(exc.msg, where)
-    return None
-
-
-def _register_source(shell: Any, source: str, number: int) -> str:
-    """Name the cell like IPython does and put its lines in linecache, for tracebacks."""
-    try:
-        return str(shell.compile.cache(source, number))
-    except Exception:  # noqa: BLE001 - older IPython: register by hand
-        name = f"<distributed-cell-{number}>"
-        linecache.cache[name] = (len(source), None, source.splitlines(True), name)
-        return name
-
-
-def _capture(
-    shell: Any, names: list[str], pushed: list[str]
-) -> tuple[dict[str, Any], dict[str, str], list[str]]:
-    """Split the notebook's values for ``names`` into values to send and modules to re-import."""
-    values: dict[str, Any] = {}
-    modules: dict[str, str] = {}
-    skipped: list[str] = []
-    hidden = shell.user_ns_hidden
-    for name in dict.fromkeys(names):
-        if name not in shell.user_ns:
-            if name in pushed:
-                raise UsageError(f"--push {name}: no such name in the notebook")
-            continue  # a builtin, or a NameError the rank will report
-        value = shell.user_ns[name]
-        if name in hidden and hidden[name] is value:
-            if not hasattr(builtins, name):  # IPython's own open, exit...: the ranks have Python's
-                skipped.append(name)
-        elif isinstance(value, types.ModuleType):
-            modules[name] = value.__name__
-        else:
-            found = serialization.find_unpicklable(value, f"notebook variable {name!r}")
-            if found is not None:
-                where, error = found
-                raise PayloadError(
-                    f"cannot send {where} to the ranks: {error}. Create it inside the cell instead, "
-                    "or keep it out of the cell."
-                )
-            values[name] = value
-    return values, modules, skipped
-
-
-def _ends_with_expression(tree: ast.Module) -> bool:
-    return bool(tree.body) and isinstance(tree.body[-1], ast.Expr)
-
-
-def _imported(tree: ast.Module) -> list[str]:
-    return [
-        alias.asname or alias.name.split(".")[0]
-        for node in tree.body
-        if isinstance(node, (ast.Import, ast.ImportFrom))
-        for alias in node.names
-    ]
-
-
-def _bring_back(
-    shell: Any,
-    outcomes: list[cell_runner.CellOutcome],
-    ends_with_expression: bool,
-    imported: set[str],
-    deleted: set[str],
-    session: persistent.Session | None = None,
-    asked: list[str] | None = None,
-) -> Any:
-    """Put rank 0's names into the notebook; return every rank's last value (None if all are None).
-
-    ``asked``: the names of ``--pull``; one rank 0 does not have after the cell is said, not skipped.
-
-    Imported names (star imports included) come back too (by reference) but
-    are not listed: the line names the data the cell made or changed.
-    """
-    first = outcomes[0]
-    loaded: dict[str, Any] = {}
-    failed = dict(first.unpicklable)
-    for name, data in first.names.items():
-        try:
-            loaded[name] = serialization.loads(data)
-        except Exception as exc:  # noqa: BLE001
-            failed[name] = f"could not be loaded here: {exc}"
-    shell.user_ns.update(loaded)
-    gone = _delete_what_the_cell_deleted(shell, first.missing, deleted)
-    if session is not None:
-        # Every name the cell bound in the ranks, with what the notebook has for it now: the copy that
-        # came back, or (not brought back) the old value, which must not overwrite the ranks' own.
-        bound = {*first.names, *first.unpicklable}
-        session.note_held({n: shell.user_ns.get(n, persistent._ABSENT) for n in bound})
-        session.forget(gone)
-    hidden = imported | set(first.star_names)
-    shown = [k for k, v in loaded.items() if k not in hidden and not isinstance(v, types.ModuleType)]
-    said = [f"{k} (changed in place)" if k in first.changed else k for k in shown]
-    parts = [f"brought back from rank 0: {', '.join(said)}"] if said else []
-    if gone:
-        parts.append(f"deleted: {', '.join(gone)}")
-    if parts:
-        print(f"air_magic: {'; '.join(parts)}")
-    if failed:
-        print("air_magic: not brought back: " + "; ".join(f"{k} ({v})" for k, v in failed.items()))
-    unknown = [n for n in first.missing if n in (asked or []) and n not in gone]
-    if unknown:
-        print(f"air_magic: --pull {', '.join(unknown)}: rank 0 has no such name after the cell")
-    info = history.last_run()
-    if not ends_with_expression:
-        return None
-    values: list[Any] = []
-    for rank, outcome in enumerate(outcomes):
-        if outcome.value is None:
-            print(f"air_magic: rank {rank}'s last value could not be sent back: {outcome.value_error}")
-            values.append(None)
-        else:
-            values.append(serialization.loads(outcome.value))
-    if info is not None:
-        info.values = values
-    # Like IPython, show nothing when there is nothing to show (a final print(), say).
-    return None if all(v is None for v in values) else values
-
-
-def _delete_what_the_cell_deleted(shell: Any, missing: list[str], deleted: set[str]) -> list[str]:
-    """Names rank 0 ended without because the cell ran ``del`` on them (not a loop that never ran)."""
-    gone = [n for n in missing if n in deleted and n in shell.user_ns]
-    for name in gone:
-        del shell.user_ns[name]
-    return gone
 
 
 def _mlflow_ui() -> Any:
@@ -499,14 +333,6 @@ def _stack(args: list[str]) -> Any:
     if handle.log_dir:
         print(f"(every frame and thread: {handle.log_dir}/stacks.txt)")
     return None
-
-
-def _runs() -> None:
-    listed = detached.runs()
-    if not listed:
-        print("air_magic: no detached run on this machine (detach=True / --detach starts one)")
-    for run in listed:
-        print(run)
 
 
 def _attach(args: list[str]) -> Any:
@@ -572,27 +398,16 @@ def _status() -> None:
 
 
 def _logs(args: list[str]) -> None:
-    info = history.last_run()
+    """This kernel's last call (or RUN): its log folder, or the end of one rank's log."""
     starting = _starting()
-    if starting is not None:  # the newest run has no log folder yet
+    if starting is not None and not args:  # the newest run has no log folder yet
         print(starting)
         return
-    if info is None:
-        print("air_magic: no run yet in this kernel")
-        return
-    if not args:
-        print(info.log_dir)
-        return
     try:
-        rank = int(args[0])
-    except ValueError:
-        raise UsageError("%distributed logs takes a rank number") from None
-    if not 0 <= rank < info.world_size:
-        raise UsageError(f"rank {rank} is not in the last run (ranks 0 to {info.world_size - 1})")
-    with open(info.log_path(rank), errors="replace") as f:
-        lines = f.read().splitlines()
-    print("\n".join(lines[-50:]))
-    print(f"(full log: {info.log_path(rank)})")
+        run, rank = verbs.split_logs_args(args)
+        print(verbs.logs(run, rank, last=history.last_run(), tail=50))
+    except ConfigurationError as exc:
+        raise UsageError(f"%distributed logs: {exc}") from None
 
 
 def load(shell: Any) -> None:

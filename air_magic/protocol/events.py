@@ -29,6 +29,28 @@ class RankState(str, enum.Enum):
     KILLED = "killed"
 
 
+class Outcome(str, enum.Enum):
+    """How a call ended (or that it has not yet): one word for every place that says it: the
+    backends' results, history and ``air-magic runs``, the tracked run's status, the displays and a
+    detached or background run's state. A str, so JSON and comparisons with the word still work."""
+
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    TIMEOUT = "timeout"
+    INTERRUPTED = "interrupted"  # stopped from outside: Ctrl-C, the stop button, cancel(), a signal
+    RUNNING = "running"  # not ended yet (a log folder's run.json while its call runs)
+    UNKNOWN = "unknown"  # a log folder without a readable run.json
+    CANCELLED = "cancelled"  # a detached or background run's word for INTERRUPTED: its handle cancelled it
+    # A persistent session's own end (its ranks are gone): what its cells see when it ends under them.
+    SESSION_ENDED = "ended"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
 @dataclass(frozen=True)
 class RunStarted:
     run_id: str
@@ -65,20 +87,20 @@ class RankExited:
 
 @dataclass(frozen=True)
 class Tick:
-    """Sent by the launcher's loop a few times a second, so displays can refresh without output."""
+    """Sent by the call loop a few times a second, so displays can refresh without output."""
 
     elapsed: float
 
 
 @dataclass(frozen=True)
 class RunFinished:
-    """``outcome`` is 'succeeded', 'failed', 'timeout' or 'interrupted'.
+    """``outcome``: SUCCEEDED, FAILED, TIMEOUT or INTERRUPTED (SESSION_ENDED: a session's own end).
 
-    ``failed_rank`` is the root cause's rank when the outcome is 'failed'.
+    ``failed_rank`` is the root cause's rank when the outcome is FAILED.
     """
 
     run_id: str
-    outcome: str
+    outcome: Outcome
     elapsed: float
     log_dir: str
     error: str | None = None

@@ -25,37 +25,37 @@ def metrics_path(metrics_dir: str, rank: int | str) -> str:
     return os.path.join(metrics_dir, f"rank-{rank}.tsv")
 
 
-def result_path(run_dir: str, rank: int) -> str:
-    return os.path.join(run_dir, f"result-{rank}.pkl")
+def result_path(call_dir: str, rank: int) -> str:
+    return os.path.join(call_dir, f"result-{rank}.pkl")
 
 
-def error_path(run_dir: str, rank: int) -> str:
-    return os.path.join(run_dir, f"error-{rank}.pkl")
+def error_path(call_dir: str, rank: int) -> str:
+    return os.path.join(call_dir, f"error-{rank}.pkl")
 
 
-def session_cell_path(run_dir: str, cell: int) -> str:
+def session_cell_path(call_dir: str, cell: int) -> str:
     """A persistent session's cell N: its payload, read by every rank (session/persistent.py)."""
-    return os.path.join(run_dir, f"cell-{cell}.pkl")
+    return os.path.join(call_dir, f"cell-{cell}.pkl")
 
 
-def cell_result_path(run_dir: str, cell: int, rank: int) -> str:
-    return os.path.join(run_dir, f"cell-{cell}-result-{rank}.pkl")
+def cell_result_path(call_dir: str, cell: int, rank: int) -> str:
+    return os.path.join(call_dir, f"cell-{cell}-result-{rank}.pkl")
 
 
-def cell_error_path(run_dir: str, cell: int, rank: int) -> str:
-    return os.path.join(run_dir, f"cell-{cell}-error-{rank}.pkl")
+def cell_error_path(call_dir: str, cell: int, rank: int) -> str:
+    return os.path.join(call_dir, f"cell-{cell}-error-{rank}.pkl")
 
 
-def session_fifo(run_dir: str, direction: str, rank: int) -> str:
+def session_fifo(call_dir: str, direction: str, rank: int) -> str:
     """A session rank's named pipe: 'cmd' (caller -> rank: which cell to run) or 'reply' (rank ->
     caller: the cell is done). Each message is one JSON line shorter than PIPE_BUF, so a write is
     atomic; payloads and results travel as files beside them, like a call's."""
-    return os.path.join(run_dir, f"{direction}-{rank}.fifo")
+    return os.path.join(call_dir, f"{direction}-{rank}.fifo")
 
 
-def loaded_path(run_dir: str, rank: int) -> str:
-    """An empty mark: this rank has read the payload (the launcher then deletes it)."""
-    return os.path.join(run_dir, f"loaded-{rank}")
+def loaded_path(call_dir: str, rank: int) -> str:
+    """An empty mark: this rank has read the payload (its rank group then deletes it)."""
+    return os.path.join(call_dir, f"loaded-{rank}")
 
 
 @dataclass
@@ -63,7 +63,7 @@ class ErrorRecord:
     """What a rank reports when it fails.
 
     ``time`` is ``time.monotonic()`` in the rank: CLOCK_MONOTONIC is one clock
-    for the whole machine on Linux, so the launcher can order failures of
+    for the whole machine on Linux, so the caller can order failures of
     different ranks and name the earliest as the root cause.
     """
 
@@ -135,34 +135,34 @@ class RankTransport(Protocol):
 class CallFolder:
     """The local transport: files in the call's private folder, each written atomically."""
 
-    def __init__(self, run_dir: str, rank: int):
-        self.run_dir = run_dir
+    def __init__(self, call_dir: str, rank: int):
+        self.call_dir = call_dir
         self.rank = rank
 
     def read_launch(self) -> dict[str, Any]:
-        with open(os.path.join(self.run_dir, LAUNCH_FILE)) as f:
+        with open(os.path.join(self.call_dir, LAUNCH_FILE)) as f:
             launch: dict[str, Any] = json.load(f)
         return launch
 
     def read_payload(self) -> bytes:
         self._check_private()
-        with open(os.path.join(self.run_dir, PAYLOAD_FILE), "rb") as f:
+        with open(os.path.join(self.call_dir, PAYLOAD_FILE), "rb") as f:
             return f.read()
 
     def mark_loaded(self) -> None:
-        write_atomically(loaded_path(self.run_dir, self.rank), b"")
+        write_atomically(loaded_path(self.call_dir, self.rank), b"")
 
     def write_result(self, data: bytes) -> None:
-        write_atomically(result_path(self.run_dir, self.rank), data)
+        write_atomically(result_path(self.call_dir, self.rank), data)
 
     def write_error(self, data: bytes) -> None:
-        write_atomically(error_path(self.run_dir, self.rank), data)
+        write_atomically(error_path(self.call_dir, self.rank), data)
 
     def _check_private(self) -> None:
         """Unpickle only from a folder no one else can write: ours, and closed to others (0700)."""
-        info = os.stat(self.run_dir)
+        info = os.stat(self.call_dir)
         if info.st_uid != os.getuid() or info.st_mode & 0o077:
             raise PermissionError(
-                f"refusing to load the payload: {self.run_dir} is not a private folder of this user "
+                f"refusing to load the payload: {self.call_dir} is not a private folder of this user "
                 f"(owner uid {info.st_uid}, mode {oct(info.st_mode & 0o777)})"
             )

@@ -41,7 +41,16 @@ from air_magic.display.widgets import WidgetDisplay, widgets_available
 from air_magic.launch.request import RunResult
 from air_magic.launch.settings import stop_grace_s
 from air_magic.launch.stacks import format_stacks
-from air_magic.protocol.events import Consumer, Event, RankExited, RankStarted, RunFinished, RunStarted, Tick
+from air_magic.protocol.events import (
+    Consumer,
+    Event,
+    Outcome,
+    RankExited,
+    RankStarted,
+    RunFinished,
+    RunStarted,
+    Tick,
+)
 from air_magic.threads import start_in_context
 
 CANCEL_WAIT_S = 10.0  # cancel(): beyond the call's stop grace, the wait for the ranks' exits and the end
@@ -145,7 +154,7 @@ class RunHandle:
         """The ended call as a :class:`RunResult` (its outcome, values or error)."""
         self._finished.wait()
         if self._error is not None:
-            return RunResult(self.run_id or "", self.log_dir or "", "failed", error=self._error)
+            return RunResult(self.run_id or "", self.log_dir or "", Outcome.FAILED, error=self._error)
         assert self._result is not None
         return self._result
 
@@ -231,7 +240,7 @@ class RunHandle:
     def handle(self, event: Event) -> None:
         if isinstance(event, RunStarted):
             self.log_dir, self.run_id = event.log_dir, event.run_id
-            self._status = "running"
+            self._status = Outcome.RUNNING
             self._redraw(force=True)
         elif isinstance(event, RankStarted):
             self.rank_pids[event.rank] = event.pid
@@ -249,8 +258,8 @@ class RunHandle:
     def _finish(self, result: RunResult | None, error: BaseException | None = None) -> None:
         """The call has ended with ``result`` (or, when the call itself broke, ``error``)."""
         self._result, self._error = result, error
-        outcome = result.outcome if result is not None else "failed"
-        self._status = "cancelled" if outcome == "interrupted" else outcome
+        outcome = result.outcome if result is not None else Outcome.FAILED
+        self._status = Outcome.CANCELLED if outcome == Outcome.INTERRUPTED else outcome
         if self._elapsed is None:
             self._elapsed = time.monotonic() - self._started
         self._finished.set()

@@ -34,7 +34,7 @@ from air_magic.launch.payload import build_payload
 from air_magic.launch.request import CellChannel, LaunchRequest, RunResult
 from air_magic.launch.settings import LaunchSettings, stop_grace_s
 from air_magic.protocol import env_names
-from air_magic.protocol.events import Consumer, EventBus
+from air_magic.protocol.events import Consumer, EventBus, Outcome, RecordLink
 from air_magic.session import gpu_claims
 from air_magic.session.history import RunHistory
 from air_magic.tracking import run as tracking
@@ -160,7 +160,7 @@ def prepare_call(
             accelerator_type=settings.accelerator_type.name if settings.accelerator_type else None,
             experiment=settings.experiment,
             run_name=settings.run_name,
-            run_id=settings.run_id,
+            resume_run_id=settings.run_id,
             system_metrics=settings.system_metrics,
         )
         run_start = tracking.RunStart(facts, log_root=settings.log_dir)
@@ -184,6 +184,7 @@ class PreparedCall:
     kind: str = "function"  # 'function' or 'cell'; from the command line also 'script' or 'module'
     run_id: str | None = None  # the call's id if chosen before it runs (a detached run's); else the backend's
     channel: CellChannel | None = None  # a persistent session's pipes to its ranks (session/persistent.py)
+    record: RecordLink | None = None  # its tracked run's link, once run() has it (before the ranks start)
 
     def displays(self) -> list[Consumer]:
         """The display that ``settings.display`` names (built on the caller's thread: a background
@@ -198,12 +199,12 @@ class PreparedCall:
     def run(self, displays: Sequence[Consumer], consumers: Sequence[Consumer] = ()) -> RunResult:
         """Steps 5-8: wait for the tracked run, run the ranks, end the tracked run with the outcome."""
         run_start = self.run_start
-        outcome = "interrupted"
+        outcome = Outcome.INTERRUPTED
         # The run is made inside the try: an interrupt at any moment from here on (even while
         # the run is being created, on RunStart's thread) ends it KILLED rather than leaving it RUNNING.
         try:
             tracked = run_start.wait() if run_start is not None else None
-            record = tracked.link() if tracked is not None else None
+            record = self.record = tracked.link() if tracked is not None else None
             for display in displays:
                 if hasattr(display, "set_record"):
                     display.set_record(record)
@@ -228,7 +229,7 @@ class PreparedCall:
         except KeyboardInterrupt:
             raise
         except BaseException:
-            outcome = "failed"
+            outcome = Outcome.FAILED
             raise
         finally:
             self.abandon()

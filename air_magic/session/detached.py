@@ -47,6 +47,7 @@ from air_magic.launch.stacks import take_stacks
 from air_magic.protocol import event_log, serialization, wire
 from air_magic.protocol.events import (
     Event,
+    Outcome,
     RankExited,
     RankStarted,
     RecordLink,
@@ -66,7 +67,7 @@ KEEP_ENDED = 50  # ended runs' folders kept (their events can be large; the logs
 RESULT_WAIT_S = 60.0  # after the last event: the supervisor writes the result, then ends the MLflow run
 TICK_S = 0.2
 REPLAY_WAIT_S = 30.0  # attach() returns once the events so far are replayed, or after this long
-_LIVE = ("starting", "running")
+_LIVE = ("starting", Outcome.RUNNING)
 _ROOT_FIX = "Set XDG_STATE_HOME to a folder only you can write"
 
 
@@ -537,7 +538,7 @@ class RunStateWriter:
 
     def handle(self, event: Event) -> None:
         if isinstance(event, RunStarted):
-            update_state(self.folder, status="running", log_dir=event.log_dir, run_id=event.run_id)
+            update_state(self.folder, status=Outcome.RUNNING, log_dir=event.log_dir, run_id=event.run_id)
         elif isinstance(event, RunFinished):
-            outcome = "cancelled" if event.outcome == "interrupted" else event.outcome
+            outcome = Outcome.CANCELLED if event.outcome == Outcome.INTERRUPTED else event.outcome
             update_state(self.folder, status=outcome, elapsed=event.elapsed, error=event.error)

@@ -16,7 +16,7 @@ from typing import Any
 
 from air_magic import paths, private_files
 from air_magic.protocol import wire
-from air_magic.protocol.events import Event, RankExited, RecordLink, RunFinished, RunStarted
+from air_magic.protocol.events import Event, Outcome, RankExited, RecordLink, RunFinished, RunStarted
 
 KEEP = 50  # calls remembered per process (last_run() needs one; %distributed status shows one)
 
@@ -27,7 +27,7 @@ class RunInfo:
     name: str
     world_size: int
     log_dir: str
-    outcome: str = "running"
+    outcome: str = Outcome.RUNNING
     elapsed: float | None = None
     error: str | None = None
     rank_states: dict[int, str] = field(default_factory=dict)
@@ -144,6 +144,6 @@ def read_summaries(log_root: str) -> list[dict[str, Any]]:
             with open(paths.run_summary(entry.path)) as f:
                 summary = json.load(f)
         except (OSError, ValueError):
-            summary = {"run_id": entry.name, "name": "?", "outcome": "unknown", "log_dir": entry.path}
+            summary = {"run_id": entry.name, "name": "?", "outcome": Outcome.UNKNOWN, "log_dir": entry.path}
         found.append(summary)
     return found

@@ -22,6 +22,7 @@ import threading
 from typing import Any
 
 from air_magic import paths  # the standard library only: cheap before the handlers
+from air_magic.protocol.events import Outcome
 
 # A cancel may come while this process is still importing (a second or two): it is remembered
 # from the first moment, not left to SIGTERM's default action (which would leave the run 'lost').
@@ -66,8 +67,8 @@ def main(folder: str) -> int:
     try:
         return _supervise(folder)
     except BaseException as exc:  # noqa: BLE001 - before the call ran: the attached handles learn why
-        detached.update_state(folder, status="failed", error=f"{type(exc).__name__}: {exc}")
-        _write_result(folder, RunResult("", "", "failed", error=exc))
+        detached.update_state(folder, status=Outcome.FAILED, error=f"{type(exc).__name__}: {exc}")
+        _write_result(folder, RunResult("", "", Outcome.FAILED, error=exc))
         return 1
 
 
@@ -109,8 +110,8 @@ def _supervise(folder: str) -> int:
     try:
         result = prepared.run([], consumers)
     except BaseException as exc:  # noqa: BLE001 - handed to whoever attaches
-        result = RunResult("", "", "failed", error=exc)
-        detached.update_state(folder, status="failed", error=f"{type(exc).__name__}: {exc}")
+        result = RunResult("", "", Outcome.FAILED, error=exc)
+        detached.update_state(folder, status=Outcome.FAILED, error=f"{type(exc).__name__}: {exc}")
     _write_result(folder, result)
     return 0
 
@@ -125,7 +126,7 @@ def _kept_as_text(result: RunResult, exc: Exception) -> RunResult:
         kept: BaseException = PayloadError(
             f"the run ended ({result.outcome}) but its result could not be kept: {exc}"
         )
-        return RunResult(result.run_id, result.log_dir, "failed", error=kept)
+        return RunResult(result.run_id, result.log_dir, Outcome.FAILED, error=kept)
     cause = error.__cause__ if isinstance(error.__cause__, RemoteTraceback) else None
     kept = RankFailedError(
         f"{type(error).__module__}.{type(error).__qualname__}: {error}\n"

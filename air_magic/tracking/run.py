@@ -49,7 +49,7 @@ from air_magic import paths, private_files
 from air_magic._version import __version__
 from air_magic.launch.accelerators import AcceleratorPlan
 from air_magic.protocol import env_names
-from air_magic.protocol.events import Event, RecordLink, RunFinished, RunStarted
+from air_magic.protocol.events import Event, Outcome, RecordLink, RunFinished, RunStarted
 from air_magic.threads import start_in_context
 from air_magic.tracking import log_upload, remote, resume, store, system_metrics
 from air_magic.tracking.log_upload import LogUploader
@@ -57,10 +57,10 @@ from air_magic.tracking.metric_writer import MetricWriter
 from air_magic.tracking.mlflow_import import import_mlflow
 
 _STATUS = {
-    "succeeded": "FINISHED",
-    "failed": "FAILED",
-    "timeout": "FAILED",
-    "interrupted": "KILLED",
+    Outcome.SUCCEEDED: "FINISHED",
+    Outcome.FAILED: "FAILED",
+    Outcome.TIMEOUT: "FAILED",
+    Outcome.INTERRUPTED: "KILLED",
     "untracked": "KILLED",  # made too late: the call had gone on without it
 }
 # At interpreter exit: how long runs still open get to be ended (as long as a remote server gets).
@@ -267,7 +267,7 @@ class CallFacts:
     accelerator_type: str | None
     experiment: str | None
     run_name: str | None
-    run_id: str | None = None  # an existing run to continue (tracking/resume.py)
+    resume_run_id: str | None = None  # run_id=: an existing MLflow run to continue (tracking/resume.py)
     system_metrics: bool = True
 
 
@@ -387,7 +387,7 @@ def _create_run(
     with store.setup_lock(uri):
         client = MlflowClient(tracking_uri=uri)
     store.end_orphaned_runs(client, uri)
-    resume_id = resume.run_to_resume(call.run_id, active)
+    resume_id = resume.run_to_resume(call.resume_run_id, active)
     if resume_id is not None:
         if not jobs.empty():
             return None
@@ -436,7 +436,7 @@ def _track(
                 client.set_tag(run.run_id, key, value)
         _describe_call(tracked, call, run)
     except BaseException:
-        jobs.put("failed")  # the run exists: end it with the call, which fails with this error
+        jobs.put(Outcome.FAILED)  # the run exists: end it with the call, which fails with this error
         tracked.serve()
         raise
     return tracked
@@ -503,7 +503,7 @@ def end_live_runs() -> None:
 
     Called at interpreter exit by the session layer, after the ranks are stopped (session/call.py)."""
     for tracked in list(_live):
-        tracked.finish("interrupted", wait_s=AT_EXIT_WAIT_S)
+        tracked.finish(Outcome.INTERRUPTED, wait_s=AT_EXIT_WAIT_S)
 
 
 def _run_name(name: str) -> str:

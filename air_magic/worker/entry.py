@@ -4,15 +4,15 @@
 (:class:`~air_magic.protocol.wire.RankTransport`): the local backend's is the
 call folder (:class:`~air_magic.protocol.wire.CallFolder`); a remote agent can
 hand it another. The local backend starts ``sys.executable -c BOOTSTRAP
-<run_dir>`` (or forks the warm starter, which calls :func:`run_from_launch_file`);
+<call_dir>`` (or forks the warm starter, which calls :func:`run_from_launch_file`);
 the bootstrap restores the caller's ``sys.path`` and runs the rank. This module
 imports only the standard library, cloudpickle and air_magic's protocol: never
 IPython, ipywidgets or torch (the user's function imports what it needs).
 
 A rank either writes ``result-<rank>.pkl`` and exits 0, or writes
 ``error-<rank>.pkl`` and exits 1. Anything else (a signal, ``os._exit``) is
-noticed by the launcher, which holds the process handle. Once it has read the
-payload it leaves a ``loaded-<rank>`` mark, so the launcher can delete the
+noticed by its rank group, which holds the process handle. Once it has read the
+payload it leaves a ``loaded-<rank>`` mark, so its rank group can delete the
 payload (the arguments in clear) as soon as every rank has it.
 
 A rank ends the way a Python process ends, fresh or forked: ``SystemExit``
@@ -44,7 +44,7 @@ from air_magic.protocol.stacks import STACKS_SIGNAL, stacks_path
 from air_magic.worker import live_stdout, targets
 from air_magic.worker import mlflow_hook as rank_mlflow
 
-# The launcher passes this to ``python -c``; argv[1] is the run directory.
+# The rank group passes this to ``python -c``; argv[1] is the run directory.
 # Only enough to find air_magic on the caller's sys.path; run_from_launch_file does the rest.
 BOOTSTRAP = (
     "import json,sys;d=sys.argv[1];sys.path[:]=json.load(open(d+'/launch.json'))['sys_path'];"
@@ -52,9 +52,9 @@ BOOTSTRAP = (
 )
 
 
-def run_from_launch_file(run_dir: str) -> NoReturn:
+def run_from_launch_file(call_dir: str) -> NoReturn:
     """Take the caller's sys.path and argv from launch.json, then run the rank (fresh or forked)."""
-    transport = wire.CallFolder(run_dir, int(os.environ["RANK"]))
+    transport = wire.CallFolder(call_dir, int(os.environ["RANK"]))
     launch = transport.read_launch()
     sys.path[:] = launch["sys_path"]
     sys.argv[:] = launch["argv"]
@@ -194,7 +194,7 @@ def _answer_stack_requests() -> None:
 
 
 def _watch_lifeline() -> None:
-    """Die with the caller: when the launcher's end of the lifeline pipe closes, kill this rank's group.
+    """Die with the caller: when the rank group's end of the lifeline pipe closes, kill this rank's group.
 
     The caller holds the pipe's write end; the kernel closes it however the
     caller dies (even SIGKILL), and the read here returns EOF. The rank is a
@@ -252,12 +252,12 @@ def _exit(code: int) -> NoReturn:
 def _kill_descendants() -> None:
     """A rank leaves nothing behind: not even children that left its process group.
 
-    The launcher kills the rank's group afterwards; this catches ``setsid``
+    The rank group kills the rank's process group afterwards; this catches ``setsid``
     children, which the group kill cannot reach once the rank is gone.
     """
     try:
         children = psutil.Process().children(recursive=True)
-    except Exception:  # noqa: BLE001 - best effort; the launcher's group kill still runs
+    except Exception:  # noqa: BLE001 - best effort; the rank group's kill still runs
         return
     for child in children:
         try:

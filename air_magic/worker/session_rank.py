@@ -47,10 +47,10 @@ _original_destroy: Any = None
 def serve() -> None:
     """The session rank's whole life: set up, answer 'ready', run cells, end when told to stop."""
     rank = int(os.environ["RANK"])
-    run_dir = os.environ[env_names.RUN_DIR]
+    call_dir = os.environ[env_names.RUN_DIR]
     # The caller holds both ends of both pipes open: neither open blocks.
-    commands = open(wire.session_fifo(run_dir, "cmd", rank), "rb", buffering=0)  # noqa: SIM115
-    replies = os.open(wire.session_fifo(run_dir, "reply", rank), os.O_WRONLY)
+    commands = open(wire.session_fifo(call_dir, "cmd", rank), "rb", buffering=0)  # noqa: SIM115
+    replies = os.open(wire.session_fifo(call_dir, "reply", rank), os.O_WRONLY)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _set_up_torch()
     _answer(replies, {"ready": True, "memory": memory_in_use()})
@@ -67,7 +67,7 @@ def serve() -> None:
                 if message.get("stop"):
                     return
                 cell = int(message["cell"])
-                ok = _run_cell(run_dir, rank, cell)
+                ok = _run_cell(call_dir, rank, cell)
                 _answer(replies, {"cell": cell, "ok": ok, "memory": memory_in_use()})
     finally:
         _end_torch()
@@ -76,27 +76,27 @@ def serve() -> None:
 class _CellFiles:
     """The transport for one cell's outcome (the error record's shape is a call's)."""
 
-    def __init__(self, run_dir: str, rank: int, cell: int):
-        self.run_dir, self.rank, self.cell = run_dir, rank, cell
+    def __init__(self, call_dir: str, rank: int, cell: int):
+        self.call_dir, self.rank, self.cell = call_dir, rank, cell
 
     def write_result(self, data: bytes) -> None:
-        wire.write_atomically(wire.cell_result_path(self.run_dir, self.cell, self.rank), data)
+        wire.write_atomically(wire.cell_result_path(self.call_dir, self.cell, self.rank), data)
 
     def write_error(self, data: bytes) -> None:
-        wire.write_atomically(wire.cell_error_path(self.run_dir, self.cell, self.rank), data)
+        wire.write_atomically(wire.cell_error_path(self.call_dir, self.cell, self.rank), data)
 
 
-def _run_cell(run_dir: str, rank: int, cell: int) -> bool:
-    files = _CellFiles(run_dir, rank, cell)
+def _run_cell(call_dir: str, rank: int, cell: int) -> bool:
+    files = _CellFiles(call_dir, rank, cell)
     stage = "load"
     # SIGINT raises KeyboardInterrupt from here to the cell's end (Python's own handler: no frame of
     # ours in the traceback), loading included; outside a cell it is ignored, so one that comes as a
     # cell ends cannot end the rank.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        data = wire.read_bytes(wire.session_cell_path(run_dir, cell))
+        data = wire.read_bytes(wire.session_cell_path(call_dir, cell))
         if data is None:
-            raise FileNotFoundError(f"cell {cell}'s payload is missing from {run_dir}")
+            raise FileNotFoundError(f"cell {cell}'s payload is missing from {call_dir}")
         payload, caller = serialization.loads(data)
         del data
         follow_the_caller(caller)

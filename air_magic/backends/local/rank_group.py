@@ -126,24 +126,24 @@ class RankGroup:
         self.run_id = spec.run_id
         self.emit = emit
         ensure_open_files(len(spec.ranks))
-        self.run_dir = private_files.private_tempdir(self.run_id)
+        self.call_dir = private_files.private_tempdir(self.run_id)
         self.selector = selectors.DefaultSelector()
         self.session_pipes: SessionPipes | None = None  # a persistent session's line to its ranks here
         self.metrics_dir: str | None = None
         try:
             if spec.by_agent:  # the caller's metrics folder may be on another machine: ours, shipped
-                self.metrics_dir = os.path.join(self.run_dir, METRICS_FOLDER)
+                self.metrics_dir = os.path.join(self.call_dir, METRICS_FOLDER)
                 os.mkdir(self.metrics_dir, 0o700)
             self._write_call_files(payload)
             if spec.session:
-                self.session_pipes = SessionPipes(self.run_dir, spec.ranks)
+                self.session_pipes = SessionPipes(self.call_dir, spec.ranks)
                 for fd in self.session_pipes.open():  # before the ranks start: they open them
                     self.selector.register(fd, selectors.EVENT_READ, ("channel", None))
         except BaseException:
             if self.session_pipes is not None:
                 self.session_pipes.close()
             self.selector.close()
-            shutil.rmtree(self.run_dir, ignore_errors=True)
+            shutil.rmtree(self.call_dir, ignore_errors=True)
             raise
         self.ranks: list[RankSlot] = []
         self.pipes = RankPipes(self.selector, self._output)
@@ -173,8 +173,8 @@ class RankGroup:
             caller = [p for p in sys_path if p == "" or os.path.isdir(p) or os.path.isfile(p)]
             sys_path = caller + [p for p in sys.path if p not in caller]
         launch = {"sys_path": sys_path, "argv": list(spec.argv) or [""]}
-        wire.write_atomically(os.path.join(self.run_dir, wire.LAUNCH_FILE), json.dumps(launch).encode())
-        wire.write_atomically(os.path.join(self.run_dir, wire.PAYLOAD_FILE), payload)
+        wire.write_atomically(os.path.join(self.call_dir, wire.LAUNCH_FILE), json.dumps(launch).encode())
+        wire.write_atomically(os.path.join(self.call_dir, wire.PAYLOAD_FILE), payload)
 
     # -- starting ----------------------------------------------------------------------
 
@@ -217,7 +217,7 @@ class RankGroup:
                 master_addr=spec.master_addr,
                 master_port=spec.master_port,
                 run_id=self.run_id,
-                run_dir=self.run_dir,
+                call_dir=self.call_dir,
                 log_dir=spec.log_dir,
                 lifeline_fd=lifeline_r,
                 extra=extra,
@@ -240,7 +240,7 @@ class RankGroup:
             with self._stop_lock:  # a stop either sees this rank, or comes before it is started
                 if self._stopping.is_set():
                     break  # stopped while starting: no more ranks
-                spawn = functools.partial(spawn_rank, starter, rank, env, cwd, self.run_dir, lifeline_r)
+                spawn = functools.partial(spawn_rank, starter, rank, env, cwd, self.call_dir, lifeline_r)
                 try:
                     slot = self.pipes.start(rank, spawn)
                 except OSError as exc:
@@ -265,8 +265,7 @@ class RankGroup:
 
     # -- watching ----------------------------------------------------------------------
 
-    def running(self) -> bool:
-        """A rank's exit is not reported yet."""
+    def running(self) -> bool:  # a rank's exit is not reported yet
         return any(r.rank not in self._ended for r in self.ranks)
 
     def running_pids(self) -> dict[int, int]:
@@ -338,14 +337,13 @@ class RankGroup:
         """Its pidfd is readable: the process is gone (a warm rank's exit code comes a moment later)."""
         if r.dead_since is None:
             r.dead_since = time.monotonic()
-        if r.pidfd is not None:  # readable for good: watched no more (else the selector would spin)
-            self._close_pidfd(r)
+        self._close_pidfd(r)  # readable for good: watched no more (else the selector would spin)
 
     def _close_pidfd(self, r: RankSlot) -> None:
         if r.pidfd is not None:
             self.selector.unregister(r.pidfd)
             os.close(r.pidfd)
-            r.pidfd = None
+        r.pidfd = None
 
     def _answers(self, fd: int) -> None:
         """A session rank's answers, each after everything that rank printed before it."""
@@ -391,11 +389,11 @@ class RankGroup:
 
     def _records_of(self, r: RankSlot) -> None:
         if r.rank not in self._raised:
-            data = wire.read_bytes(wire.error_path(self.run_dir, r.rank))
+            data = wire.read_bytes(wire.error_path(self.call_dir, r.rank))
             if data is not None:
                 self._raised.add(r.rank)
                 self.emit(Raised(r.rank, data))
-        if r.rank not in self._returned and os.path.exists(wire.result_path(self.run_dir, r.rank)):
+        if r.rank not in self._returned and os.path.exists(wire.result_path(self.call_dir, r.rank)):
             self._returned.add(r.rank)
             self.emit(Returned(r.rank))
 
@@ -403,10 +401,10 @@ class RankGroup:
         """Delete the payload (the arguments, in clear) as soon as every rank has read it."""
         if self._payload_gone or not self.ranks:
             return
-        if all(os.path.exists(wire.loaded_path(self.run_dir, r.rank)) for r in self.ranks):
+        if all(os.path.exists(wire.loaded_path(self.call_dir, r.rank)) for r in self.ranks):
             self._payload_gone = True
             try:
-                os.unlink(os.path.join(self.run_dir, wire.PAYLOAD_FILE))
+                os.unlink(os.path.join(self.call_dir, wire.PAYLOAD_FILE))
             except OSError:
                 pass
 
@@ -419,10 +417,10 @@ class RankGroup:
         r.exited_at = r.dead_since if r.dead_since is not None else time.monotonic()
         self._close_pidfd(r)
         self.pipes.drain_rank(r)  # all its output before its exit
-        result_path = wire.result_path(self.run_dir, r.rank)
+        result_path = wire.result_path(self.call_dir, r.rank)
         result = wire.read_bytes(result_path) if r.exit_code == 0 else None
         returned = result is not None or os.path.exists(result_path)
-        error = wire.read_bytes(wire.error_path(self.run_dir, r.rank))
+        error = wire.read_bytes(wire.error_path(self.call_dir, r.rank))
         self.emit(
             Exited(r.rank, r.exit_code, r.exited_at, result, returned, error, r.status_lost, self.teardown_at)
         )
@@ -448,7 +446,7 @@ class RankGroup:
         """Every running rank's thread stacks (launch/stacks.py), from any thread. The ranks write
         signal dumps to the call's log folder, which exists on the caller's node; elsewhere they
         go to the call folder (and only py-spy's reading is sent back)."""
-        log_dir = self.spec.log_dir if os.path.isdir(self.spec.log_dir) else self.run_dir
+        log_dir = self.spec.log_dir if os.path.isdir(self.spec.log_dir) else self.call_dir
         return take_stacks(self.running_pids(), log_dir, why)
 
     # -- stopping ----------------------------------------------------------------------
@@ -518,7 +516,7 @@ class RankGroup:
         if self._held_starter is not None:
             warm.release(self._held_starter)
             self._held_starter = None
-        shutil.rmtree(self.run_dir, ignore_errors=True)
+        shutil.rmtree(self.call_dir, ignore_errors=True)
 
 
 _said_open_files = False

@@ -43,7 +43,7 @@ def spawn_rank(
     rank: int,
     env: dict[str, str],
     cwd: str,
-    run_dir: str,
+    call_dir: str,
     lifeline_r: int,
     out_w: int,
     err_w: int,
@@ -51,12 +51,12 @@ def spawn_rank(
     """Start one rank: forked by the warm starter when there is one, else a fresh ``sys.executable``."""
     if starter is not None:
         try:
-            pid = starter.spawn(env, cwd, run_dir, [out_w, err_w, lifeline_r])
-            return ForkedRank(pid, starter, run_dir, rank)
+            pid = starter.spawn(env, cwd, call_dir, [out_w, err_w, lifeline_r])
+            return ForkedRank(pid, starter, call_dir, rank)
         except OSError:
             pass  # the starter broke: this rank starts fresh, and the next call gets a new starter
     proc = subprocess.Popen(
-        [sys.executable, "-c", entry.BOOTSTRAP, run_dir],
+        [sys.executable, "-c", entry.BOOTSTRAP, call_dir],
         cwd=cwd,
         env=env,
         stdin=subprocess.DEVNULL,
@@ -89,10 +89,10 @@ class FreshRank:
 class ForkedRank:
     """A rank forked by the warm starter: not our child, so the starter reports its exit code."""
 
-    def __init__(self, pid: int, starter: warm.Starter, run_dir: str, rank: int):
+    def __init__(self, pid: int, starter: warm.Starter, call_dir: str, rank: int):
         self.pid = pid
         self.starter = starter
-        self.run_dir = run_dir
+        self.call_dir = call_dir
         self.rank = rank
         self.returncode: int | None = None
         self.status_lost = False  # the starter died before it could report this rank's exit
@@ -111,9 +111,9 @@ class ForkedRank:
         that was written counts, whatever happened to the starter afterwards.
         """
         self.status_lost = True
-        if os.path.exists(wire.result_path(self.run_dir, self.rank)):
+        if os.path.exists(wire.result_path(self.call_dir, self.rank)):
             return 0
-        if os.path.exists(wire.error_path(self.run_dir, self.rank)):
+        if os.path.exists(wire.error_path(self.call_dir, self.rank)):
             return 1
         return -signal.SIGKILL
 

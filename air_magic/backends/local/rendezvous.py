@@ -1,4 +1,4 @@
-"""The rendezvous store, hosted by the launcher on loopback, on a port nobody else has.
+"""The rendezvous store, hosted by the caller on loopback, on a port nobody else has.
 
 torch's default ("rank 0 hosts a TCPStore on MASTER_PORT") races for the port
 between choosing and binding it, collides with stale processes on 29500, and

@@ -23,8 +23,8 @@ from air_magic.protocol import wire
 
 
 class SessionPipes:
-    def __init__(self, run_dir: str, ranks: Iterable[int]):
-        self.run_dir = run_dir
+    def __init__(self, call_dir: str, ranks: Iterable[int]):
+        self.call_dir = call_dir
         self.ranks = list(ranks)
         self._cmd: dict[int, int] = {}  # rank -> our end of its command pipe
         self._reply: dict[int, int] = {}  # our end of a reply pipe -> rank
@@ -36,16 +36,18 @@ class SessionPipes:
         """Make both pipes of every rank; the reply pipes' descriptors, to watch for answers."""
         for rank in self.ranks:
             for direction in ("cmd", "reply"):
-                os.mkfifo(wire.session_fifo(self.run_dir, direction, rank), 0o600)
-            self._cmd[rank] = os.open(wire.session_fifo(self.run_dir, "cmd", rank), os.O_RDWR | os.O_NONBLOCK)
-            reply = os.open(wire.session_fifo(self.run_dir, "reply", rank), os.O_RDWR | os.O_NONBLOCK)
+                os.mkfifo(wire.session_fifo(self.call_dir, direction, rank), 0o600)
+            self._cmd[rank] = os.open(
+                wire.session_fifo(self.call_dir, "cmd", rank), os.O_RDWR | os.O_NONBLOCK
+            )
+            reply = os.open(wire.session_fifo(self.call_dir, "reply", rank), os.O_RDWR | os.O_NONBLOCK)
             self._reply[reply] = rank
             self._pending[reply] = b""
         return list(self._reply)
 
     def send_cell(self, number: int, payload: bytes) -> None:
         """Cell ``number`` to every rank here: its payload once, then its number on each pipe."""
-        wire.write_atomically(wire.session_cell_path(self.run_dir, number), payload)
+        wire.write_atomically(wire.session_cell_path(self.call_dir, number), payload)
         self._write({"cell": number})
 
     def send_stop(self) -> None:
@@ -79,13 +81,13 @@ class SessionPipes:
         return answers
 
     def _take_outcome(self, number: int, rank: int, ok: bool) -> bytes | None:
-        path = (wire.cell_result_path if ok else wire.cell_error_path)(self.run_dir, number, rank)
+        path = (wire.cell_result_path if ok else wire.cell_error_path)(self.call_dir, number, rank)
         data = wire.read_bytes(path)
         _unlink(path)
         self._answers[number] = self._answers.get(number, 0) + 1
         if self._answers[number] == len(self.ranks):  # every rank here has read it
             del self._answers[number]
-            _unlink(wire.session_cell_path(self.run_dir, number))
+            _unlink(wire.session_cell_path(self.call_dir, number))
         return data
 
     def close(self) -> None:

@@ -5,7 +5,7 @@ It imports the preload list (torch by default) and **never initialises CUDA**,
 so a forked rank is as clean as a fresh process, minus the import time. It
 talks to its caller over one AF_UNIX SOCK_SEQPACKET socket:
 
-- caller -> starter: ``{"op": "spawn", "env", "cwd", "run_dir"}`` with three
+- caller -> starter: ``{"op": "spawn", "env", "cwd", "call_dir"}`` with three
   fds (the rank's stdout and stderr pipes, the lifeline's read end);
 - starter -> caller: ``{"ready": ...}`` once, ``{"spawned": pid}`` per request,
   ``{"exited": pid, "code": ...}`` for every rank that ends (exit code as
@@ -190,7 +190,7 @@ def _become_rank(
     from air_magic.worker.shutdown import end_forked_rank
 
     try:
-        run_from_launch_file(request["run_dir"])
+        run_from_launch_file(request["call_dir"])
     except SystemExit as exc:  # how every rank ends; the frames of the call are gone after this
         code = exc.code
     except BaseException:  # noqa: BLE001 - as an uncaught exception ends a fresh interpreter

@@ -255,5 +255,5 @@ class NodeAgent:
             self._emit(call.run_id, NodeLost("its raylet died"))
             call.kill_now()
             time.sleep(WATCHDOG_S)  # a poll in flight takes the news
-            shutil.rmtree(call.run_dir, ignore_errors=True)
+            shutil.rmtree(call.call_dir, ignore_errors=True)
         os._exit(1)

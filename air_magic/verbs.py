@@ -1,0 +1,157 @@
+"""The verbs both surfaces share: ``air-magic VERB`` and ``%distributed VERB`` mean the same.
+
+One table (:data:`VERBS`) names every verb, its arguments and what it does, and
+on which surface it exists; the command line's help and the line magic's help
+and docstring are made from it (``cli.py``, ``notebook/magics.py``). The verbs
+that read what is on disk are written once here: :func:`runs` (the recent
+calls, detached runs included) and :func:`logs` (a call's log folder, or a
+rank's log). ``attach`` and ``cancel`` are ``session/detached.py``'s on both.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from air_magic import paths
+from air_magic.errors import ConfigurationError
+from air_magic.session import detached, history
+
+
+@dataclass(frozen=True)
+class Verb:
+    name: str
+    args: str
+    does: str
+    magic: bool = True  # a ``%distributed`` verb
+    cli: bool = True  # an ``air-magic`` command
+
+
+VERBS = (
+    Verb(
+        "run",
+        "[options] TARGET [ARGS]",
+        "TARGET on every rank: script.py, -m module, module:function, notebook.ipynb",
+        magic=False,
+    ),
+    Verb(
+        "status", "", "the last run of this kernel: outcome, time, each rank's state, log folder", cli=False
+    ),
+    Verb(
+        "runs",
+        "[-n N]",
+        "the recent calls, newest first: outcome, ranks, time, log folder (detached runs too)",
+    ),
+    Verb("logs", "[RUN] [RANK]", "a call's log folder, or one rank's log (RUN: an id, or last: the default)"),
+    Verb("stack", "[RANK]", "every thread's stack in each rank of the run going on", cli=False),
+    Verb(
+        "attach", "[RUN]", "follow a detached run (default: the newest running): its output so far, then live"
+    ),
+    Verb("cancel", "[RUN]", "stop a run (every rank); in a kernel, RUN defaults to its newest run going on"),
+    Verb(
+        "ui",
+        "[--run RUN_ID]",
+        "the MLflow UI over the store: the one server your kernels share, started if needed",
+    ),
+    Verb("settings", "", "what this machine has, where logs go", cli=False),
+    Verb(
+        "restart", "", "rebuild the warm starter (it also rebuilds itself after package changes)", cli=False
+    ),
+    Verb(
+        "session",
+        "start [options] | status | restart | stop",
+        "keep ranks up between cells (SPEC §15)",
+        cli=False,
+    ),
+    Verb("help", "", "this list", cli=False),
+)
+
+
+VERB = {v.name: v for v in VERBS}
+
+
+def help_text(surface: str) -> str:
+    """The verbs of ``surface`` ('magic' or 'cli'), one line each, as its help shows them."""
+    prefix = "%distributed" if surface == "magic" else "air-magic"
+    shown = [v for v in VERBS if (v.magic if surface == "magic" else v.cli)]
+    heads = [f"{prefix} {v.name} {v.args}".rstrip() for v in shown]
+    width = max(len(h) for h in heads)
+    lines = [f"{head:<{width}}  {v.does}" for head, v in zip(heads, shown, strict=True)]
+    if surface == "magic":
+        cell = "%%distributed [options]"
+        lines.append(f"{cell:<{width}}  run the cell on every rank (%%distributed? lists the options)")
+    return "\n".join(lines)
+
+
+def names(surface: str) -> list[str]:
+    return [v.name for v in VERBS if (v.magic if surface == "magic" else v.cli)]
+
+
+def runs(log_root: str | None = None, n: int = 20) -> list[str]:
+    """The recent calls, newest first, a line each; detached runs whose ranks have not started yet
+    (no log folder) too, when the folder is the default one."""
+    summaries = history.read_summaries(log_root or paths.default_log_root())
+    listed = {s["run_id"] for s in summaries}
+    supervised = {run.id: run for run in detached.runs()}
+    rows: list[tuple[str, str]] = []  # (run id, line): ids begin with the time, so they sort by age
+    for run in supervised.values():  # a detached run whose ranks have not started has no log folder yet
+        if log_root is None and run.id not in listed and run.status in ("starting", "lost"):
+            line = f"{run.id}  {run.status:<11} {run.world_size!s:>3} rank(s) {'':>9}  {run.name}  (detached)"
+            rows.append((run.id, line))
+    for summary in summaries:
+        if summary["run_id"] in supervised:  # its supervisor knows best: 'cancelled', 'lost' (it died)
+            summary["outcome"] = supervised[summary["run_id"]].status
+        took = summary.get("elapsed")
+        took_text = "" if took is None else f"{took:.1f} s"
+        outcome, ranks = summary.get("outcome", "?"), summary.get("world_size", "?")
+        line = (
+            f"{summary['run_id']}  {outcome:<11} {ranks!s:>3} rank(s) {took_text:>9}  "
+            f"{summary.get('name', '?')}  {summary.get('log_dir', '')}"
+        )
+        rows.append((summary["run_id"], line))
+    return [line for _, line in sorted(rows, reverse=True)[:n]]
+
+
+def split_logs_args(words: list[str]) -> tuple[str, int | None]:
+    """``[RUN] [RANK]``: a bare number is a rank; RUN defaults to 'last'."""
+    run, rank = "last", None
+    for word in words:
+        if word.isdigit():
+            rank = int(word)
+        elif run == "last":
+            run = word
+        else:
+            raise ConfigurationError(f"logs takes [RUN] [RANK], got {' '.join(words)!r}")
+    return run, rank
+
+
+def logs(
+    run: str, rank: int | None, log_root: str | None = None, last: Any = None, tail: int | None = None
+) -> str:
+    """What ``logs RUN [RANK]`` shows: the call's folder and its files, or the rank's log (its last
+    ``tail`` lines; the whole of it when None). ``last``: this kernel's last call (history.RunInfo),
+    what 'last' means in a kernel; elsewhere it is the newest call in the log folder."""
+    if run == "last" and last is not None:
+        log_dir, world = last.log_dir, last.world_size
+    else:
+        summaries = history.read_summaries(log_root or paths.default_log_root())
+        found = summaries[:1] if run == "last" else [s for s in summaries if s["run_id"] == run]
+        if not found:
+            raise ConfigurationError(f"no call {run!r} (runs lists them)")
+        log_dir, world = found[0]["log_dir"], found[0].get("world_size")
+    if rank is None:
+        sizes = [
+            f"  {name}  {os.path.getsize(os.path.join(log_dir, name))} bytes"
+            for name in sorted(os.listdir(log_dir))
+        ]
+        return "\n".join([log_dir, *sizes])
+    path = paths.rank_log(log_dir, rank)
+    if not os.path.exists(path):
+        ranks = f" (ranks 0 to {world - 1})" if isinstance(world, int) else ""
+        raise ConfigurationError(f"rank {rank} is not in call {os.path.basename(log_dir)}{ranks}")
+    with open(path, errors="replace") as f:
+        text = f.read()
+    if tail is None:
+        return text
+    return "\n".join(text.splitlines()[-tail:]) + f"\n(full log: {path})"
