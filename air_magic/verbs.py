@@ -89,14 +89,15 @@ def names(surface: str) -> list[str]:
 
 
 def runs(log_root: str | None = None, n: int = 20) -> list[str]:
-    """The recent calls, newest first, a line each; detached runs whose ranks have not started yet
-    (no log folder) too, when the folder is the default one."""
+    """The recent calls, newest first, a line each; and, when the folder is the default one, every
+    detached run of this user on this machine not among them (not started yet, lost, or with a log
+    folder elsewhere)."""
     summaries = history.read_summaries(log_root or paths.default_log_root())
     listed = {s["run_id"] for s in summaries}
     supervised = {run.id: run for run in detached.runs()}
     rows: list[tuple[str, str]] = []  # (run id, line): ids begin with the time, so they sort by age
     for run in supervised.values():  # a detached run whose ranks have not started has no log folder yet
-        if log_root is None and run.id not in listed and run.status in ("starting", "lost"):
+        if log_root is None and run.id not in listed:
             line = f"{run.id}  {run.status:<11} {run.world_size!s:>3} rank(s) {'':>9}  {run.name}  (detached)"
             rows.append((run.id, line))
     for summary in summaries:
@@ -115,15 +116,11 @@ def runs(log_root: str | None = None, n: int = 20) -> list[str]:
 
 def split_logs_args(words: list[str]) -> tuple[str, int | None]:
     """``[RUN] [RANK]``: a bare number is a rank; RUN defaults to 'last'."""
-    run, rank = "last", None
-    for word in words:
-        if word.isdigit():
-            rank = int(word)
-        elif run == "last":
-            run = word
-        else:
-            raise ConfigurationError(f"logs takes [RUN] [RANK], got {' '.join(words)!r}")
-    return run, rank
+    runs = [w for w in words if not w.isdigit()]
+    ranks = [int(w) for w in words if w.isdigit()]
+    if len(runs) > 1 or len(ranks) > 1:
+        raise ConfigurationError(f"logs takes [RUN] [RANK], got {' '.join(words)!r}")
+    return (runs[0] if runs else "last"), (ranks[0] if ranks else None)
 
 
 def logs(
@@ -141,10 +138,11 @@ def logs(
             raise ConfigurationError(f"no call {run!r} (runs lists them)")
         log_dir, world = found[0]["log_dir"], found[0].get("world_size")
     if rank is None:
-        sizes = [
-            f"  {name}  {os.path.getsize(os.path.join(log_dir, name))} bytes"
-            for name in sorted(os.listdir(log_dir))
-        ]
+        try:
+            files = sorted(os.listdir(log_dir))
+            sizes = [f"  {name}  {os.path.getsize(os.path.join(log_dir, name))} bytes" for name in files]
+        except OSError as exc:  # pruned, or removed by hand
+            raise ConfigurationError(f"{log_dir}: {exc.strerror or exc}") from None
         return "\n".join([log_dir, *sizes])
     path = paths.rank_log(log_dir, rank)
     if not os.path.exists(path):

@@ -40,6 +40,12 @@ def test_logs_takes_an_optional_run_and_an_optional_rank(words, expected):
     assert verbs.split_logs_args(words) == expected
 
 
+def test_logs_refuses_two_runs_or_two_ranks():
+    for words in (["last", "20261203-1"], ["1", "2"]):
+        with pytest.raises(ConfigurationError, match=r"logs takes \[RUN\] \[RANK\]"):
+            verbs.split_logs_args(words)
+
+
 def test_logs_of_an_unknown_call_or_rank_says_so(tmp_path):
     with pytest.raises(ConfigurationError, match="no call 'nope'"):
         verbs.logs("nope", None, str(tmp_path))

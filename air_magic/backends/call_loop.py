@@ -25,7 +25,7 @@ import signal
 import time
 from abc import ABC, abstractmethod
 
-from air_magic.backends.output import OutputRouter, make_log_dir
+from air_magic.backends.output import OutputRouter, ensure_open_files, make_log_dir
 from air_magic.errors import DistributedTimeoutError, PayloadError
 from air_magic.launch.ledger import CallLedger, stopped_error
 from air_magic.launch.request import LaunchRequest, RunResult, StopRequest, new_run_id
@@ -58,19 +58,8 @@ class CallLoop(ABC):
         self.run_id = run_id = request.run_id or new_run_id()
         self.log_dir = log_dir = make_log_dir(request.log_root, run_id)
         self.stop_requested = stop_requested
-        self.world = plan_world = request.plan.world_size
-        # At once: the folder's run.json says what runs from its first moment (`air-magic runs`).
-        bus.emit(
-            RunStarted(
-                run_id=run_id,
-                world_size=plan_world,
-                backend=request.plan.backend,
-                detected=request.plan.detected,
-                cpu_mode=request.plan.cpu_mode,
-                log_dir=log_dir,
-                name=request.name,
-            )
-        )
+        self.world = request.plan.world_size
+        ensure_open_files(self.world)  # the logs below, and each rank's pipes and pidfd
         self.router = OutputRouter(log_dir, self.world, bus)
         self.ledger = CallLedger(
             request,
@@ -84,6 +73,19 @@ class CallLoop(ABC):
         )
         self.started = time.monotonic()
         self.deadline = None if request.timeout is None else self.started + request.timeout
+        # Last, once nothing here can fail (execute() then always says RunFinished): the folder's
+        # run.json says what runs from its first moment (`air-magic runs`).
+        bus.emit(
+            RunStarted(
+                run_id=run_id,
+                world_size=self.world,
+                backend=request.plan.backend,
+                detected=request.plan.detected,
+                cpu_mode=request.plan.cpu_mode,
+                log_dir=log_dir,
+                name=request.name,
+            )
+        )
 
     # -- the hooks ---------------------------------------------------------------------
 
@@ -167,9 +169,11 @@ class CallLoop(ABC):
             raise
         finally:
             try:
-                self.stop(GRACE_S)  # a no-op when every rank is already accounted for
+                try:
+                    self.stop(GRACE_S)  # a no-op when every rank is already accounted for
+                finally:
+                    self.finish()  # (a second Ctrl-C may land in either: what follows still runs)
             finally:
-                self.finish()
                 self.ledger.close()
                 self.router.close()
                 discard_rank_files(self.log_dir)  # the ranks are gone: their stack files with them

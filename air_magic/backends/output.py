@@ -29,7 +29,9 @@ import codecs
 import collections
 import json
 import os
+import resource
 import shutil
+import sys
 
 from air_magic import paths, private_files
 from air_magic.errors import ConfigurationError
@@ -196,3 +198,39 @@ def _write_all(fd: int, *parts: bytes | memoryview) -> None:
             written -= len(views.pop(0))
         if views:
             views[0] = views[0][written:]
+
+
+# Descriptors this process holds per rank while a call runs: stdout and stderr pipes, a pidfd,
+# the rank's log, its metric file, a session's two pipes; and a margin for everything else.
+FDS_PER_RANK = 8
+FDS_MARGIN = 64
+
+
+_said_open_files = False
+
+
+def ensure_open_files(ranks: int) -> None:
+    """Room for ``ranks`` more ranks' descriptors: the soft open-file limit raised as far as needed (up
+    to the hard limit), and said once when even that is not enough."""
+    global _said_open_files
+    try:
+        in_use = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return
+    needed = in_use + FDS_PER_RANK * ranks + FDS_MARGIN
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or needed <= soft:
+        return
+    target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+    if target > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError):
+            target = soft
+    if target < needed and not _said_open_files:
+        _said_open_files = True
+        print(
+            f"air_magic: {ranks} rank(s) need about {needed} open files here and the limit is {target} "
+            f"(hard limit {hard}); raise it (ulimit -n) if ranks fail to start",
+            file=sys.stderr,
+        )

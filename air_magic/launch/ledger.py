@@ -220,8 +220,8 @@ class CallLedger:
                 )
 
     def never_started(self, node: int) -> None:
-        """The call was stopped before ``node`` started its ranks: none will report."""
-        self.done_nodes.add(node)
+        """The call was stopped before ``node`` started these of its ranks (all, or the rest of a
+        start cut short): they will never report; its other ranks still do."""
         for r in self.records:
             if r.node == node and r.pid is None and not r.exited:
                 r.never_started, r.state = True, RankState.KILLED

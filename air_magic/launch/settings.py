@@ -221,6 +221,13 @@ def _about(setting: Setting) -> dict[str, Setting]:
     return {"setting": setting}
 
 
+def _setting(default: Any = MISSING, *, default_factory: Any = MISSING, **about: Any) -> Any:
+    """A field of LaunchSettings: its default and how it is checked, shown and spelled (Setting)."""
+    if default_factory is not MISSING:
+        return field(default_factory=default_factory, metadata=_about(Setting(**about)))
+    return field(default=default, metadata=_about(Setting(**about)))
+
+
 @dataclass(frozen=True)
 class LaunchSettings:
     """Validated settings of one decorated function. Immutable; copy with overrides.
@@ -229,206 +236,138 @@ class LaunchSettings:
     it is documented, checked and spelled on a command line.
     """
 
-    num_accelerators: int | None = field(
-        default=None,
-        metadata=_about(
-            Setting(
-                help="ranks to run, one per GPU",
-                check=_check_count,
-                parse=int,
-                takes="a positive integer",
-                short="-n",
-                metavar="N",
-                default_text="every visible GPU; 2 CPU ranks without a GPU",
-            )
-        ),
+    num_accelerators: int | None = _setting(
+        None,
+        help="ranks to run, one per GPU",
+        check=_check_count,
+        parse=int,
+        takes="a positive integer",
+        short="-n",
+        metavar="N",
+        default_text="every visible GPU; 2 CPU ranks without a GPU",
     )
-    accelerator_type: AcceleratorSpec | None = field(
-        default=None,
-        metadata=_about(
-            Setting(
-                help="the GPUs expected, GPU_<count>x<MODEL> such as GPU_8xH100, checked against the machine",
-                check=_check_type,
-                metavar="TYPE",
-                default_text="detected",
-            )
-        ),
+    accelerator_type: AcceleratorSpec | None = _setting(
+        None,
+        help="the GPUs expected, GPU_<count>x<MODEL> such as GPU_8xH100, checked against the machine",
+        check=_check_type,
+        metavar="TYPE",
+        default_text="detected",
     )
-    timeout: float | None = field(
-        default=DEFAULT_TIMEOUT,
-        metadata=_about(
-            Setting(
-                help="seconds before the call is stopped",
-                check=_check_timeout,
-                parse=_parse_timeout,
-                takes="seconds or 'none'",
-                metavar="SECONDS|none",
-            )
-        ),
+    timeout: float | None = _setting(
+        DEFAULT_TIMEOUT,
+        help="seconds before the call is stopped",
+        check=_check_timeout,
+        parse=_parse_timeout,
+        takes="seconds or 'none'",
+        metavar="SECONDS|none",
     )
-    stop_grace: float | None = field(
-        default=None,
-        metadata=_about(
-            Setting(
-                help="seconds the ranks get to end on their own after a stop (the stop button, Ctrl-C, "
-                "a signal to the command line, cancel()) before they are killed: they get SIGINT "
-                "(KeyboardInterrupt), or the signal the command line got, as torchrun forwards it",
-                check=_check_stop_grace,
-                parse=float,
-                takes="seconds",
-                metavar="SECONDS",
-                default_text="$TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30",
-            )
-        ),
+    stop_grace: float | None = _setting(
+        None,
+        help="seconds the ranks get to end on their own after a stop (the stop button, Ctrl-C, "
+        "a signal to the command line, cancel()) before they are killed: they get SIGINT "
+        "(KeyboardInterrupt), or the signal the command line got, as torchrun forwards it",
+        check=_check_stop_grace,
+        parse=float,
+        takes="seconds",
+        metavar="SECONDS",
+        default_text="$TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30",
     )
-    display: str = field(
-        default="auto",
-        metadata=_about(
-            Setting(
-                help="how rank output is shown: auto (live tabs in Jupyter, else text), tabs, "
-                "text (lines prefixed with the rank), rank0 (rank 0's lines only) or none",
-                check=_check_display,
-                choices=DISPLAY_MODES,
-                metavar="MODE",
-            )
-        ),
+    display: str = _setting(
+        "auto",
+        help="how rank output is shown: auto (live tabs in Jupyter, else text), tabs, "
+        "text (lines prefixed with the rank), rank0 (rank 0's lines only) or none",
+        check=_check_display,
+        choices=DISPLAY_MODES,
+        metavar="MODE",
     )
-    env: Mapping[str, str] = field(
+    env: Mapping[str, str] = _setting(
         default_factory=dict,
-        metadata=_about(
-            Setting(
-                help="extra environment variables for every rank",
-                check=_check_env,
-                parse=_parse_env,
-                takes="KEY=VALUE",
-                metavar="KEY=VALUE",
-                repeat=True,
-                default_text="",
-            )
-        ),
+        help="extra environment variables for every rank",
+        check=_check_env,
+        parse=_parse_env,
+        takes="KEY=VALUE",
+        metavar="KEY=VALUE",
+        repeat=True,
+        default_text="",
     )
-    log_dir: str | None = field(
-        default=None,
-        metadata=_about(
-            Setting(
-                help="the folder for the call's rank logs",
-                check=_check_log_dir,
-                metavar="PATH",
-                default_text="$AIR_MAGIC_LOG_DIR, else ~/.local/state/air_magic/runs",
-            )
-        ),
+    log_dir: str | None = _setting(
+        None,
+        help="the folder for the call's rank logs",
+        check=_check_log_dir,
+        metavar="PATH",
+        default_text="$AIR_MAGIC_LOG_DIR, else ~/.local/state/air_magic/runs",
     )
-    max_payload_bytes: int = field(
-        default=DEFAULT_MAX_PAYLOAD_BYTES,
-        metadata=_about(
-            Setting(
-                help="the most bytes the pickled function and arguments may take",
-                check=_check_payload_limit,
-                parse=int,
-                takes="a positive integer",
-                metavar="BYTES",
-                default_text=f"{DEFAULT_MAX_PAYLOAD_BYTES // 2**20} MiB",
-            )
-        ),
+    max_payload_bytes: int = _setting(
+        DEFAULT_MAX_PAYLOAD_BYTES,
+        help="the most bytes the pickled function and arguments may take",
+        check=_check_payload_limit,
+        parse=int,
+        takes="a positive integer",
+        metavar="BYTES",
+        default_text=f"{DEFAULT_MAX_PAYLOAD_BYTES // 2**20} MiB",
     )
-    tracking: bool = field(
-        default=True,
-        metadata=_about(
-            Setting(
-                help="record the call as an MLflow run, when mlflow is installed",
-                check=functools.partial(_check_bool, "tracking"),
-                switch=True,
-            )
-        ),
+    tracking: bool = _setting(
+        True,
+        help="record the call as an MLflow run, when mlflow is installed",
+        check=functools.partial(_check_bool, "tracking"),
+        switch=True,
     )
-    warm_start: bool = field(
-        default=True,
-        metadata=_about(
-            Setting(
-                help="fork ranks from a starter process that has imported torch once, "
-                "instead of starting fresh interpreters",
-                check=functools.partial(_check_bool, "warm_start"),
-                switch=True,
-            )
-        ),
+    warm_start: bool = _setting(
+        True,
+        help="fork ranks from a starter process that has imported torch once, "
+        "instead of starting fresh interpreters",
+        check=functools.partial(_check_bool, "warm_start"),
+        switch=True,
     )
-    cluster: str | None = field(
-        default=None,
-        metadata=_about(
-            Setting(
-                help="where the ranks run: this machine, or 'ray' (every node of a Ray cluster; "
-                "'ray=ADDRESS' names the cluster)",
-                check=_check_cluster,
-                metavar="ray[=ADDRESS]",
-                default_text="this machine",
-            )
-        ),
+    cluster: str | None = _setting(
+        None,
+        help="where the ranks run: this machine, or 'ray' (every node of a Ray cluster; "
+        "'ray=ADDRESS' names the cluster)",
+        check=_check_cluster,
+        metavar="ray[=ADDRESS]",
+        default_text="this machine",
     )
-    share_gpus: bool = field(
-        default=False,
-        metadata=_about(
-            Setting(
-                help="run even on GPUs that a background run of this process is using "
-                "(both then share their memory and time)",
-                check=functools.partial(_check_bool, "share_gpus"),
-                switch=True,
-            )
-        ),
+    share_gpus: bool = _setting(
+        False,
+        help="run even on GPUs that a background run of this process is using "
+        "(both then share their memory and time)",
+        check=functools.partial(_check_bool, "share_gpus"),
+        switch=True,
     )
-    detach: bool = field(
-        default=False,
-        metadata=_about(
-            Setting(
-                help="run the ranks under a small supervisor process that outlives this kernel "
-                "(or terminal): air_magic.attach() re-opens the run from any kernel",
-                check=functools.partial(_check_bool, "detach"),
-                switch=True,
-            )
-        ),
+    detach: bool = _setting(
+        False,
+        help="run the ranks under a small supervisor process that outlives this kernel "
+        "(or terminal): air_magic.attach() re-opens the run from any kernel",
+        check=functools.partial(_check_bool, "detach"),
+        switch=True,
     )
-    experiment: str | None = field(
-        default=None,
-        metadata=_about(
-            Setting(
-                help="the MLflow experiment",
-                check=functools.partial(_check_name, "experiment"),
-                metavar="NAME",
-                default_text="MLflow's own, else the notebook's or script's name",
-            )
-        ),
+    experiment: str | None = _setting(
+        None,
+        help="the MLflow experiment",
+        check=functools.partial(_check_name, "experiment"),
+        metavar="NAME",
+        default_text="MLflow's own, else the notebook's or script's name",
     )
-    run_name: str | None = field(
-        default=None,
-        metadata=_about(
-            Setting(
-                help="the MLflow run's name",
-                check=functools.partial(_check_name, "run_name"),
-                metavar="NAME",
-                default_text="MLflow's",
-            )
-        ),
+    run_name: str | None = _setting(
+        None,
+        help="the MLflow run's name",
+        check=functools.partial(_check_name, "run_name"),
+        metavar="NAME",
+        default_text="MLflow's",
     )
-    run_id: str | None = field(
-        default=None,
-        metadata=_about(
-            Setting(
-                help="an existing MLflow run to record this call in (resume it) instead of a new run",
-                check=_check_run_id,
-                metavar="RUN_ID",
-                default_text="a new run (MLFLOW_RUN_ID set here resumes that run)",
-            )
-        ),
+    run_id: str | None = _setting(
+        None,
+        help="an existing MLflow run to record this call in (resume it) instead of a new run",
+        check=_check_run_id,
+        metavar="RUN_ID",
+        default_text="a new run (MLFLOW_RUN_ID set here resumes that run)",
     )
-    system_metrics: bool = field(
-        default=True,
-        metadata=_about(
-            Setting(
-                help="log this machine's CPU, memory, disk, network and GPU use to the run under system/ "
-                "(every MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL seconds, 10 by default)",
-                check=functools.partial(_check_bool, "system_metrics"),
-                switch=True,
-            )
-        ),
+    system_metrics: bool = _setting(
+        True,
+        help="log this machine's CPU, memory, disk, network and GPU use to the run under system/ "
+        "(every MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL seconds, 10 by default)",
+        check=functools.partial(_check_bool, "system_metrics"),
+        switch=True,
     )
 
     # The user's own spelling of every setting, so overrides re-validate as one.

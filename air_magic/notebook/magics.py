@@ -400,12 +400,16 @@ def _status() -> None:
 def _logs(args: list[str]) -> None:
     """This kernel's last call (or RUN): its log folder, or the end of one rank's log."""
     starting = _starting()
-    if starting is not None and not args:  # the newest run has no log folder yet
+    if starting is not None:  # this kernel's newest run has no log folder yet
         print(starting)
         return
     try:
         run, rank = verbs.split_logs_args(args)
-        print(verbs.logs(run, rank, last=history.last_run(), tail=50))
+        last = history.last_run()
+        if run == "last" and last is None:
+            print("air_magic: no run yet in this kernel (%distributed logs RUN shows another's)")
+            return
+        print(verbs.logs(run, rank, last=last, tail=50))
     except ConfigurationError as exc:
         raise UsageError(f"%distributed logs: {exc}") from None
 

@@ -48,6 +48,8 @@ class LocalCall(CallLoop):
 
     def start(self) -> bool:
         self._store = RendezvousStore(self.world)  # may import torch: seconds
+        if self.request.timeout is not None:  # which the ranks' time does not pay for
+            self.deadline = time.monotonic() + self.request.timeout
         wait = warm.starter_wait_s()
         if self.deadline is not None:  # no longer than the call's timeout
             wait = max(0.0, min(wait, self.deadline - time.monotonic()))
@@ -119,8 +121,10 @@ class LocalCall(CallLoop):
     def finish(self) -> None:
         try:
             if self.group is not None:
-                self.group.finish()
-                self.group.close()
+                try:
+                    self.group.finish()
+                finally:
+                    self.group.close()  # the call folder, the lifeline, the held starter: always
         finally:
             if self._store is not None:
                 self._store.close()

@@ -26,10 +26,10 @@ once, by the caller's ledger (``launch/ledger.py``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
-import resource
 import selectors
 import shutil
 import signal
@@ -45,6 +45,7 @@ from air_magic import private_files
 from air_magic.backends.local import warm
 from air_magic.backends.local.ranks import RankPipes, RankSlot, send_signal, spawn_rank
 from air_magic.backends.local.session_pipes import SessionPipes
+from air_magic.backends.output import ensure_open_files
 from air_magic.launch.accelerators import AcceleratorPlan, detect_gpus
 from air_magic.launch.rank_env import RankPlace, rank_environment
 from air_magic.launch.request import LaunchRequest
@@ -66,10 +67,6 @@ TICK_S = 0.1  # how often error records, results, metric files and the payload a
 DRAIN_S = 2.0  # output still in the pipes after every rank exited (a grandchild may hold them)
 FAILURE_GRACE_S = 3.0  # a stop's grace after a failure or a timeout (output is pumped only beyond it)
 METRICS_FOLDER = "metrics"
-# Descriptors this process holds per rank while a call runs: stdout and stderr pipes, a pidfd,
-# the rank's log, its metric file, a session's two pipes; and a margin for everything else.
-FDS_PER_RANK = 8
-FDS_MARGIN = 64
 
 
 @dataclass(frozen=True)
@@ -159,6 +156,10 @@ class RankGroup:
         self._raised: set[int] = set()
         self._returned: set[int] = set()
         self._ended: set[int] = set()  # ranks whose exit was reported
+        self._reap_lock = threading.Lock()  # a rank's exit is reported once, whoever reaps it
+        # The local backend's loop drives it (stop() reaps); a Ray agent's thread watches it (only that
+        # thread reaps). Decided here: a stop may come before that thread starts.
+        self._in_caller = not spec.by_agent
         self._next_look = 0.0
         self._stop_lock = threading.Lock()
         self._stopping = threading.Event()  # set by stop(): no rank is started after it
@@ -403,15 +404,14 @@ class RankGroup:
             return
         if all(os.path.exists(wire.loaded_path(self.call_dir, r.rank)) for r in self.ranks):
             self._payload_gone = True
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(os.path.join(self.call_dir, wire.PAYLOAD_FILE))
-            except OSError:
-                pass
 
     def _exited(self, r: RankSlot, lost_code: int | None = None) -> None:
-        if r.rank in self._ended:
-            return
-        self._ended.add(r.rank)
+        with self._reap_lock:
+            if r.rank in self._ended:
+                return
+            self._ended.add(r.rank)
         code = r.proc.returncode
         r.exit_code = code if code is not None else lost_code
         r.exited_at = r.dead_since if r.dead_since is not None else time.monotonic()
@@ -464,7 +464,7 @@ class RankGroup:
                 self.teardown_at = time.monotonic()
             # Every rank, also those that ended: their process groups may hold what they started.
             procs = [r.proc for r in self.ranks]
-            in_caller = self._thread is None
+            in_caller = self._in_caller
             if procs:
                 long = ask != signal.SIGTERM or grace_s > FAILURE_GRACE_S
                 meanwhile = self.pipes.pump if in_caller and long else None
@@ -488,10 +488,8 @@ class RankGroup:
         """SIGKILL every rank's group and every descendant seen (no grace: the node is going)."""
         self._stopping.set()
         for r in self.ranks:
-            try:
+            with contextlib.suppress(OSError):
                 os.killpg(r.proc.pid, signal.SIGKILL)
-            except OSError:
-                pass
         for proc in self.tracker.seen.values():
             try:
                 proc.kill()
@@ -517,33 +515,3 @@ class RankGroup:
             warm.release(self._held_starter)
             self._held_starter = None
         shutil.rmtree(self.call_dir, ignore_errors=True)
-
-
-_said_open_files = False
-
-
-def ensure_open_files(ranks: int) -> None:
-    """Room for ``ranks`` more ranks' descriptors: the soft open-file limit raised as far as needed (up
-    to the hard limit), and said once when even that is not enough."""
-    global _said_open_files
-    try:
-        in_use = len(os.listdir("/proc/self/fd"))
-    except OSError:
-        return
-    needed = in_use + FDS_PER_RANK * ranks + FDS_MARGIN
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY or needed <= soft:
-        return
-    target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
-    if target > soft:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-        except (ValueError, OSError):
-            target = soft
-    if target < needed and not _said_open_files:
-        _said_open_files = True
-        print(
-            f"air_magic: {ranks} rank(s) need about {needed} open files here and the limit is {target} "
-            f"(hard limit {hard}); raise it (ulimit -n) if ranks fail to start",
-            file=sys.stderr,
-        )

@@ -241,7 +241,11 @@ class RayCall(CallLoop):
             pending = set(self.starts.values())
             for node in range(len(self.agents)):
                 if node not in pending and node not in self._started_nodes:
-                    ledger.never_started(node)  # its start was never sent (an interrupt before)
+                    ledger.done_nodes.add(node)  # its start was never sent (an interrupt before)
+                if node not in pending and node not in ledger.lost_nodes:
+                    # Ranks its agent did not start (the stop came first, or cut its start short):
+                    # not lost, so the pool and its warm starters stay for the next call.
+                    ledger.never_started(node)
             for node in range(len(self.agents)):
                 self._repoll(node)  # a poll lost to an interrupt, say
             while self.polls and time.monotonic() < end:
