@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from conftest import gone_within, mlflow_status
 
@@ -94,6 +95,20 @@ def test_a_detached_run_outlives_its_caller_and_attaches_elsewhere(store, tmp_pa
     assert handle.status == "succeeded" and _status(run_id) == "succeeded"
     assert _mlflow(handle) == "FINISHED"
     assert "rank 0 after the gate" in handle.logs(0)
+    # After the result its supervisor ends the MLflow run and uploads the logs, then exits: about
+    # 2 s here, more on a loaded machine (no_leftovers gives it only 5).
+    _wait_for(lambda: not _supervisors(), "the supervisor to exit", seconds=60)
+
+
+def _supervisors() -> list[psutil.Process]:
+    found = []
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if "air_magic.session.supervisor" in " ".join(proc.cmdline()) and proc.status() != "zombie":
+                found.append(proc)
+        except psutil.Error:
+            pass
+    return found
 
 
 @fault("cancel() of a detached run from another process", "every rank gone within 5 s; run KILLED")
