@@ -260,7 +260,7 @@ class CallLedger:
                 lost_at = self.caller_clock + (r.lost_at if r.lost_at is not None else time.monotonic())
                 failures.append(RankFailure(r.rank, lost_at, None, None, lost=r.lost))
                 continue
-            record = _load_record(r.error)
+            record = load_record(r.error)
             if record is not None:
                 failures.append(RankFailure.of(r.rank, clock + record.time, r.exit_code, record))
             else:
@@ -301,7 +301,8 @@ class CallLedger:
             view = view[os.write(fd, view) :]
 
 
-def _load_record(data: bytes | None) -> Any:
+def load_record(data: bytes | None) -> Any:
+    """A rank's error record as written (None: none, or torn: the rank's log still has the traceback)."""
     if data is None:
         return None
     try:

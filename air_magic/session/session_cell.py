@@ -17,8 +17,7 @@ from typing import Any
 from air_magic import paths
 from air_magic.errors import LaunchError
 from air_magic.launch.failures import RankFailure, build_exception
-from air_magic.launch.ledger import load_results
-from air_magic.protocol import serialization
+from air_magic.launch.ledger import load_record, load_results
 from air_magic.protocol.events import EventBus, RankExited, RankState
 
 
@@ -63,7 +62,7 @@ class SessionCell:
                 self.results[rank] = outcome
             reason, state = "returned", RankState.SUCCEEDED
         else:
-            self.records[rank] = _load_record(outcome)
+            self.records[rank] = load_record(outcome)
             if self.first_error_at is None:
                 self.first_error_at = time.monotonic()
             if rank in self.interrupted:
@@ -105,10 +104,3 @@ class SessionCell:
             last_lines=last_lines,
             cpu_mode=cpu_mode,
         )
-
-
-def _load_record(data: bytes | None) -> Any:
-    try:
-        return serialization.loads(data) if data is not None else None
-    except Exception:  # noqa: BLE001 - a torn record: the rank's log still has the traceback
-        return None
