@@ -38,29 +38,29 @@ _LAZY = {
     "GPUType": "air_magic.launch.accelerators",
     "DistributedFunction": "air_magic.decorator",
     "distributed": "air_magic.decorator",
-    "RunInfo": "air_magic.session.history",
-    "RunHandle": "air_magic.session.background",
-    "runs": "air_magic.session.detached",
-    "attach": "air_magic.session.detached",
-    "last_run": "air_magic.session.history",
-    "restart_warm_start": "air_magic.session.call",
+    "RunInfo": "air_magic.calls.history",
+    "RunHandle": "air_magic.calls.background",
+    "runs": "air_magic.calls.detached",
+    "attach": "air_magic.calls.detached",
+    "last_run": "air_magic.calls.history",
+    "restart_warm_start": "air_magic.calls.call",
     "ray_init": "air_magic.backends.ray.cluster",
     "ray_launch": "air_magic.decorator",
     "init_process_group": "air_magic.worker.torch_helpers",
-    "session": "air_magic.session",  # the package is callable: air_magic.session(num_accelerators=2)
-    "Session": "air_magic.session.persistent",
+    "session": "air_magic.calls.persistent",  # air_magic.session(num_accelerators=2): a persistent session
+    "Session": "air_magic.calls.persistent",
 }
 
 if TYPE_CHECKING:
     from air_magic import runtime
     from air_magic.backends.ray.cluster import ray_init
+    from air_magic.calls.background import RunHandle
+    from air_magic.calls.call import restart_warm_start
+    from air_magic.calls.detached import attach, runs
+    from air_magic.calls.history import RunInfo, last_run
+    from air_magic.calls.persistent import Session, session
     from air_magic.decorator import DistributedFunction, distributed, ray_launch
     from air_magic.launch.accelerators import AcceleratorType, GPUType
-    from air_magic.session.background import RunHandle
-    from air_magic.session.call import restart_warm_start
-    from air_magic.session.detached import attach, runs
-    from air_magic.session.history import RunInfo, last_run
-    from air_magic.session.persistent import Session
     from air_magic.worker.torch_helpers import init_process_group
 
 
@@ -105,8 +105,8 @@ def get_changelog() -> str:
 
 def load_ipython_extension(ipython: object) -> None:
     """``%load_ext air_magic``: register ``%%distributed`` and ``%distributed``."""
+    from air_magic.calls.call import prestart_local
     from air_magic.notebook.magics import load
-    from air_magic.session.call import prestart_local
 
     load(ipython)
     prestart_local()  # torch is imported once, in the background, before the first cell needs it

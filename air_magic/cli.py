@@ -1,7 +1,7 @@
 """The command line: ``air-magic run TARGET`` (and ``python -m air_magic run``), a third surface (SPEC §12).
 
 ``air-magic run [options] TARGET [ARGS...]`` runs TARGET on every rank, as the
-decorator and the magic do, through the same session (session/call.py):
+decorator and the magic do, through the same call layer (calls/call.py):
 
 - ``script.py``: run as ``__main__`` in every rank with ``sys.argv = [script,
   *ARGS]``, so a script written for torchrun runs unchanged;
@@ -35,6 +35,8 @@ from types import FrameType
 from typing import Any
 
 from air_magic import verbs
+from air_magic.calls import detached, history
+from air_magic.calls.call import prepare_call, run_call, start_async
 from air_magic.display.json_lines import JsonLines
 from air_magic.display.text import TextDisplay
 from air_magic.errors import (
@@ -46,8 +48,6 @@ from air_magic.errors import (
 )
 from air_magic.launch.settings import add_arguments, make_settings, settings_from_args
 from air_magic.protocol.events import Consumer
-from air_magic.session import detached, history
-from air_magic.session.call import prepare_call, run_call, start_async
 from air_magic.tracking import store
 from air_magic.worker import targets
 
@@ -257,15 +257,24 @@ def _check_function(module: str, qualname: str) -> None:
 # -- runs and logs ----------------------------------------------------------------------
 
 
-def _small_parser(prog: str, description: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description=description)
-    parser.add_argument("--log-dir", help="where the calls' log folders are (default: where calls put them)")
+def _verb_parser(verb: str, more: str = "") -> argparse.ArgumentParser:
+    """``air-magic VERB``'s parser: its description is the verb table's (verbs.py), plus ``more``."""
+    description = (
+        f"{verbs.VERB[verb].does[0].upper()}{verbs.VERB[verb].does[1:]}.{' ' + more if more else ''}"
+    )
+    parser = argparse.ArgumentParser(prog=f"air-magic {verb}", description=description)
     parser.error = _usage_error  # type: ignore[method-assign]
     return parser
 
 
+def _log_parser(verb: str) -> argparse.ArgumentParser:
+    parser = _verb_parser(verb)
+    parser.add_argument("--log-dir", help="where the calls' log folders are (default: where calls put them)")
+    return parser
+
+
 def _runs(argv: list[str]) -> int:
-    parser = _small_parser("air-magic runs", verbs.VERB["runs"].does + ".")
+    parser = _log_parser("runs")
     parser.add_argument("-n", type=int, default=20, help="how many (default: 20)")
     args = parser.parse_args(argv)
     for line in verbs.runs(args.log_dir, args.n):
@@ -274,7 +283,7 @@ def _runs(argv: list[str]) -> int:
 
 
 def _logs(argv: list[str]) -> int:
-    parser = _small_parser("air-magic logs", verbs.VERB["logs"].does + ".")
+    parser = _log_parser("logs")
     parser.add_argument("words", nargs="*", metavar="[RUN] [RANK]")
     args = parser.parse_args(argv)
     run, rank = verbs.split_logs_args(args.words)
@@ -339,14 +348,11 @@ def _start_detached(
 
 
 def _attach(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="air-magic attach",
-        description="Follow a detached run (default: the newest one running): its output so far, then "
-        "live; the exit status says how it ended. Ctrl-C stops following; the run goes on.",
+    parser = _verb_parser(
+        "attach", "The exit status says how it ended. Ctrl-C stops following; the run goes on."
     )
     parser.add_argument("run", metavar="RUN", nargs="?", help="its id (or the start of it)")
     parser.add_argument("--json", action="store_true", help="one JSON object per event on stdout")
-    parser.error = _usage_error  # type: ignore[method-assign]
     args = parser.parse_args(argv)
     json_out = JsonLines() if args.json else None
     displays = _displays(args, json_out)
@@ -372,9 +378,8 @@ def _attach(argv: list[str]) -> int:
 
 
 def _cancel(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="air-magic cancel", description="Stop a detached run (every rank).")
+    parser = _verb_parser("cancel")
     parser.add_argument("run", metavar="RUN", help="its id (or the start of it)")
-    parser.error = _usage_error  # type: ignore[method-assign]
     args = parser.parse_args(argv)
     run = detached.find(args.run)
     if run.status == "lost":  # its supervisor died (and its ranks with it): nothing left to stop
@@ -395,17 +400,14 @@ def _ui(argv: list[str]) -> int:
     from air_magic.tracking import ui as mlflow_ui
     from air_magic.tracking.store import current_uri
 
-    parser = argparse.ArgumentParser(
-        prog="air-magic ui",
-        description="The MLflow UI over a local store: the one server your kernels share, started if "
-        "none runs (on 127.0.0.1; it stops after a day without a call). Prints its address.",
+    parser = _verb_parser(
+        "ui", "It listens on 127.0.0.1 and stops after a day without a call. Prints its address."
     )
     parser.add_argument(
         "--store", help="the tracking URI (default: MLFLOW_TRACKING_URI, else the embedded store)"
     )
     parser.add_argument("--run", metavar="RUN_ID", help="print this MLflow run's page rather than the UI's")
     parser.add_argument("--stop", action="store_true", help="stop the store's UI server")
-    parser.error = _usage_error  # type: ignore[method-assign]
     args = parser.parse_args(argv)
     if importlib.util.find_spec("mlflow") is None:
         raise UsageError("MLflow is not installed: pip install 'air_magic[mlflow]'")
@@ -488,7 +490,7 @@ def _run_notebook(path: str, argv: list[str], args: argparse.Namespace) -> int:
 def _wait_for_background_runs(path: str, stopped_by: list[int]) -> int:
     """After the last cell, the background runs the notebook started run to their end, as its
     reader expects (a kernel would have kept them going); the first failure sets the status."""
-    from air_magic.session import background
+    from air_magic.calls import background
 
     status = 0
     for handle in background.running():

@@ -3,7 +3,7 @@
 ``@distributed`` / ``@distributed(...)`` wrap a function in a
 :class:`DistributedFunction`. ``fn.distributed(*args, **kwargs)`` binds the
 arguments against the signature, plans the accelerators, pickles the payload
-once (``session/call.py`` does that and picks the backend), and returns every
+once (``calls/call.py`` does that and picks the backend), and returns every
 rank's return value in rank order or raises the first failing rank's error.
 """
 
@@ -14,13 +14,13 @@ import inspect
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar, overload
 
+from air_magic.calls.background import RunHandle
+from air_magic.calls.call import prepare_call, run_call, start_async
+from air_magic.calls.ray_driver import run_as_driver
 from air_magic.errors import ConfigurationError, DirectCallError
 from air_magic.launch.accelerators import AcceleratorType
 from air_magic.launch.payload import remember_module_file
 from air_magic.launch.settings import DEFAULTS, LaunchSettings, make_settings, unset
-from air_magic.session.background import RunHandle
-from air_magic.session.call import prepare_call, run_call, start_async
-from air_magic.session.ray_driver import run_as_driver
 
 R = TypeVar("R")
 # A keyword left out, shown in help() and editors as the setting's real default.
@@ -131,7 +131,7 @@ def distributed(
 
 
 # The keyword parameters are spelled out (not **settings) so that editors and help() show them;
-# tests/test_settings_schema.py checks that they are the schema's fields, and that this
+# tests/unit/test_settings_schema.py checks that they are the schema's fields, and that this
 # docstring carries each field's help text.
 def distributed(
     num_accelerators: Any = None,

@@ -5,7 +5,7 @@ on which surface it exists; the command line's help and the line magic's help
 and docstring are made from it (``cli.py``, ``notebook/magics.py``). The verbs
 that read what is on disk are written once here: :func:`runs` (the recent
 calls, detached runs included) and :func:`logs` (a call's log folder, or a
-rank's log). ``attach`` and ``cancel`` are ``session/detached.py``'s on both.
+rank's log). ``attach`` and ``cancel`` are ``calls/detached.py``'s on both.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from air_magic import paths
+from air_magic.calls import detached, history
 from air_magic.errors import ConfigurationError
-from air_magic.session import detached, history
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,12 @@ VERBS = (
     Verb(
         "attach", "[RUN]", "follow a detached run (default: the newest running): its output so far, then live"
     ),
-    Verb("cancel", "[RUN]", "stop a run (every rank); in a kernel, RUN defaults to its newest run going on"),
+    Verb(
+        "cancel",
+        "[RUN]",
+        "stop a run (every rank): a detached run by its id; in a kernel, RUN defaults to its newest "
+        "run going on",
+    ),
     Verb(
         "ui",
         "[--run RUN_ID]",

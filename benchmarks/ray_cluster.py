@@ -38,9 +38,9 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 from trivial_job import trivial  # noqa: E402
 
+from air_magic.calls.call import run_call  # noqa: E402
 from air_magic.launch.settings import make_settings  # noqa: E402
 from air_magic.protocol.events import RankOutput  # noqa: E402
-from air_magic.session.call import run_call  # noqa: E402
 
 HIDE_GPUS = False
 

@@ -4,7 +4,7 @@ Executes a two-cell notebook (``%load_ext air_magic``; a ``%%distributed -n 2``
 cell whose rank 1 fails) with nbclient, exports it to HTML without its widget
 state (what GitHub, nbviewer and a reopened VS Code notebook have), and renders
 that HTML in headless Chromium (Debian's) to ``docs/frontend-nbconvert.png``.
-The JupyterLab screenshot comes from tests/test_browser.py (AIR_MAGIC_SCREENSHOT).
+The JupyterLab screenshot comes from tests/browser/test_browser.py (AIR_MAGIC_SCREENSHOT).
 
 python scripts/frontend_screenshots.py [OUT.png]
 """

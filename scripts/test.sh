@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One command from a fresh machine: set up, lint, type-check and run every test.
-# Extra arguments go to pytest (e.g. scripts/test.sh -k failures).
-# --fast: the same set-up and checks, then only the tests not marked slow (under a minute).
+# Extra arguments go to pytest (e.g. scripts/test.sh -k failures, scripts/test.sh tests/kernel).
+# --fast: the same set-up and checks, then only the unit tier (tests/unit: well under a minute).
+# The full run is two pytest runs (docs/testing.md): every test not marked serial on
+# $AIR_MAGIC_TEST_WORKERS pytest-xdist workers (default 2), then the serial ones alone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 fast=0
@@ -26,7 +28,35 @@ fi
 echo "== ruff";   "$venv/bin/ruff" check . && "$venv/bin/ruff" format --check .
 echo "== mypy";   "$venv/bin/mypy"
 if [ "$fast" = 1 ]; then
-    echo "== pytest (fast: not slow)"; "$venv/bin/python" -m pytest -m "not slow" ${args[@]+"${args[@]}"}
-else
-    echo "== pytest"; "$venv/bin/python" -m pytest "$@"
+    echo "== pytest (fast: the unit tier)"; "$venv/bin/python" -m pytest tests/unit ${args[@]+"${args[@]}"}
+    exit
 fi
+# A -m EXPR of the caller's narrows both parts (pytest keeps only the last -m it is given).
+marks=""
+rest=()
+expect_marks=0
+for arg in ${args[@]+"${args[@]}"}; do
+    if [ "$expect_marks" = 1 ]; then marks=$arg; expect_marks=0; continue; fi
+    case "$arg" in
+        -m | --markexpr) expect_marks=1 ;;
+        --markexpr=*) marks=${arg#--markexpr=} ;;
+        -m?*) marks=${arg#-m} ;;
+        *) rest+=("$arg") ;;
+    esac
+done
+both() { if [ -n "$marks" ]; then echo "($marks) and $1"; else echo "$1"; fi; }
+workers=${AIR_MAGIC_TEST_WORKERS:-2}
+echo "== pytest (every test not marked serial, $workers workers)"
+parallel=0
+"$venv/bin/python" -m pytest -n "$workers" --dist loadgroup -m "$(both "not serial")" ${rest[@]+"${rest[@]}"} \
+    || parallel=$?
+[ "$parallel" = 2 ] && exit 2  # interrupted (Ctrl-C): no second part
+echo "== pytest (the serial tests, alone)"
+serial=0
+"$venv/bin/python" -m pytest -m "$(both serial)" ${rest[@]+"${rest[@]}"} || serial=$?
+# 5: a part's selection was empty (say -k picked only serial tests); an error only if both were.
+if [ "$parallel" = 5 ] && [ "$serial" = 5 ]; then exit 5; fi
+[ "$parallel" = 5 ] && parallel=0
+[ "$serial" = 5 ] && serial=0
+[ "$parallel" != 0 ] && exit "$parallel"
+exit "$serial"

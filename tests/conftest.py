@@ -1,27 +1,54 @@
-"""Shared fixtures: every test must leave no process, run directory or stray log behind.
+"""Shared fixtures and the rules of every test: no process, call folder or stray log left behind.
+
+Tests live in folders by kind (docs/testing.md): unit/ (no process of its own), process/ (real
+rank and caller processes), kernel/ (a real IPython shell or Jupyter kernel), contract/ (the
+backend contract, every backend), ray/ (a Ray cluster), browser/ (JupyterLab in chromium) and
+gpu/ (the device). Each test gets its folder's name as a marker (``-m unit``).
 
 The test process makes itself a *child subreaper* (prctl), so any process a
 rank leaves behind (even one whose parent died) is re-parented to pytest and
 shows up in ``psutil.Process().children(recursive=True)``. After each test we
 wait up to 5 s for all of them to be gone; a leftover fails the test.
+Shared helpers are modules in tests/helpers (``from helpers.procs import gone_within``).
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
-import signal
-import subprocess
-import sys
+import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
 
+pytest.register_assert_rewrite("helpers")  # their asserts say what they compared, as a test's do
+from helpers.paths import TESTS  # noqa: E402
+from helpers.procs import leftover_processes, rays_own, reap_zombies  # noqa: E402
+
+from air_magic import paths  # noqa: E402
+
 PR_SET_CHILD_SUBREAPER = 36
-LEFTOVER_WAIT_S = 5.0
+# Each folder's marker. The Ray tests' folder is not named "ray": tests/ is on sys.path, and a folder
+# named like a package stands in for it (as a namespace package) where the package is missing.
+TIERS = {
+    "unit": "unit",
+    "process": "process",
+    "kernel": "kernel",
+    "contract": "contract",
+    "ray_cluster": "ray",
+    "browser": "browser",
+    "gpu": "gpu",
+}
+# Tests that share machine-wide state run on one pytest-xdist worker, one after another
+# (scripts/test.sh runs with --dist loadgroup): the Ray cluster of the session, and the MLflow UI
+# server tests (one of them keeps another user's process alive, which turns every kernel's
+# automatic UI start off) with the browser test that follows the UI link.
+_UI_FILES = ("test_mlflow_ui.py", "test_browser.py")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -36,23 +63,47 @@ def _on_the_ray_cluster(item: pytest.Item) -> bool:
     return callspec is not None and str(callspec.params.get("backend", "")).startswith("ray")
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The tests on the Ray cluster run last, in their files' order: one cluster serves them all.
+def tier_of(item: pytest.Item) -> str | None:
+    """The kind of a test, from its folder under tests/ (None for a file at the top or elsewhere)."""
+    try:
+        parts = item.path.resolve().relative_to(TESTS).parts
+    except ValueError:
+        return None
+    return TIERS.get(parts[0]) if len(parts) > 1 else None
 
-    Starting it takes 20 s; once up, its processes would be running beside every other test."""
+
+# tryfirst: pytest-xdist reads the xdist_group marks in its own hook, which would otherwise run first.
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Each test is marked with its kind; the tests on the Ray cluster run last, in their files' order.
+
+    One cluster serves them all: starting it takes 20 s; once up, its processes would be running
+    beside every other test."""
+    for item in items:
+        tier = tier_of(item)
+        if tier is not None:
+            item.add_marker(tier)
+        if tier == "ray" or _on_the_ray_cluster(item):  # also Ray of its own: /tmp/ray, its ports
+            item.add_marker("ray")
+            item.add_marker(pytest.mark.xdist_group("ray"))
+        elif item.path.name in _UI_FILES:
+            item.add_marker(pytest.mark.xdist_group("ui"))
     items.sort(key=_on_the_ray_cluster)  # stable: False (the rest) first, each part in its order
 
 
-# Every test of these files is slow (an MLflow store or server, or a subprocess first importing
-# MLflow: 1-30 s a test); their own tests carry no marker. Other slow tests are marked where they
-# are written (@pytest.mark.slow, or pytestmark for a whole file).
 @pytest.fixture(scope="session", autouse=True)
 def _private_dirs(tmp_path_factory: pytest.TempPathFactory):
-    """Logs, run directories and the MLflow store of the session go to folders we can inspect."""
+    """Logs, run directories and the MLflow store of the session go to folders we can inspect.
+
+    Each pytest-xdist worker is a session of its own, so workers share none of them."""
     logs = tmp_path_factory.mktemp("logs")
     runs = tmp_path_factory.mktemp("tmp")
-    old_log, old_tmp = os.environ.get("AIR_MAGIC_LOG_DIR"), tempfile.tempdir
+    saved = {name: os.environ.get(name) for name in _SESSION_ENV}
+    old_tmp = tempfile.tempdir
     os.environ["AIR_MAGIC_LOG_DIR"] = str(logs)
+    # IPython's history database and profile, and Jupyter's connection files: the session's own.
+    os.environ["IPYTHONDIR"] = str(tmp_path_factory.mktemp("ipython"))
+    os.environ["JUPYTER_RUNTIME_DIR"] = str(tmp_path_factory.mktemp("jupyter-runtime"))
     # MLflow: the embedded store in the session's folder; no telemetry file under $HOME.
     os.environ["AIR_MAGIC_MLFLOW_DIR"] = str(tmp_path_factory.mktemp("mlflow"))
     os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"
@@ -65,72 +116,43 @@ def _private_dirs(tmp_path_factory: pytest.TempPathFactory):
     tempfile.tempdir = str(runs)
     yield
     tempfile.tempdir = old_tmp
-    if old_log is None:
-        os.environ.pop("AIR_MAGIC_LOG_DIR", None)
-    else:
-        os.environ["AIR_MAGIC_LOG_DIR"] = old_log
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
-def _reap_zombies() -> None:
-    for child in psutil.Process().children():
-        try:
-            if child.status() == psutil.STATUS_ZOMBIE:
-                os.waitpid(child.pid, os.WNOHANG)
-        except (psutil.Error, ChildProcessError):
-            pass
-
-
-def leftover_processes(timeout: float = LEFTOVER_WAIT_S) -> list[psutil.Process]:
-    """Descendants still alive after ``timeout`` seconds (zombies are reaped as we go).
-
-    The warm starter of this process is meant to stay (it is a cache); what it started is not.
-    """
-    from air_magic.backends.local import warm
-
-    deadline = time.monotonic() + timeout
-    while True:
-        _reap_zombies()
-        alive = []
-        keep = warm.starter_pid()
-        for proc in psutil.Process().children(recursive=True):
-            if proc.pid == keep or _rays_own(proc):
-                continue
-            try:
-                if proc.status() != psutil.STATUS_ZOMBIE:
-                    alive.append(proc)
-            except psutil.Error:
-                pass
-        if not alive or time.monotonic() > deadline:
-            return alive
-        time.sleep(0.05)
-
-
-# A Ray cluster of the tests (the ray_cluster fixture) is pytest's child and stays for the session:
-# its processes, and the warm starters of its node agents, are not leftovers. Ranks are.
-_RAY_MARKS = (
-    "raylet",
-    "gcs_server",
-    "ray::",
-    "ray/_private",
-    "ray/dashboard",
-    "ray/autoscaler",
-    "default_worker.py",
+_SESSION_ENV = (
+    "AIR_MAGIC_LOG_DIR",
+    "AIR_MAGIC_MLFLOW_DIR",
+    "MLFLOW_DISABLE_TELEMETRY",
+    "AIR_MAGIC_MLFLOW_UI",
+    "XDG_STATE_HOME",
+    "IPYTHONDIR",
+    "JUPYTER_RUNTIME_DIR",
 )
 
 
-def _rays_own(proc: psutil.Process) -> bool:
-    try:
-        line = " ".join(proc.cmdline())
-        if proc.name().startswith("ray::") or any(mark in line for mark in _RAY_MARKS):
-            return True
-        if "starter_main" in line:  # a node agent's warm starter; a rank forked from it is not Ray's
-            parent = proc.parent()
-            return (
-                parent is not None and _rays_own(parent) and "starter_main" not in " ".join(parent.cmdline())
-            )
-    except psutil.Error:
-        return True  # gone meanwhile
-    return False
+@pytest.fixture(autouse=True)
+def _unit_tests_start_no_process(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+    """A unit test starts no process: no warm starter (``%load_ext`` and ``.distributed()`` would
+    start one), and none of its own; one that does belongs in process/ or kernel/."""
+    if tier_of(request.node) != "unit":
+        yield
+        return
+    from air_magic.backends.local import warm
+    from air_magic.protocol import env_names
+
+    monkeypatch.setenv(env_names.WARM, "0")
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    yield
+    started = [
+        p
+        for p in psutil.Process().children(recursive=True)
+        if p.pid not in before and p.pid != warm.starter_pid() and not rays_own(p)
+    ]
+    assert not started, f"a unit test started processes (move it to process/): {started}"
 
 
 @pytest.fixture(autouse=True)
@@ -174,15 +196,41 @@ def starter():
     return found
 
 
+@pytest.fixture(scope="session")
+def new_store(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Path], str]:
+    """``new_store(folder)``: an embedded store in ``folder`` (made 0700) as MLflow leaves a new one.
+
+    Making MLflow's tables (SQLAlchemy and Alembic's migrations) costs 2 s of CPU; they are made
+    once a session and copied. Tests of a store MLflow has never opened use an empty folder."""
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    tables = tmp_path_factory.mktemp("store-tables")
+    here = os.getcwd()
+    os.chdir(tables)  # the Default experiment's artifact folder (./mlruns) stays in here
+    try:
+        MlflowClient(f"sqlite:///{tables / paths.MLFLOW_DB}").search_experiments()
+    finally:
+        os.chdir(here)
+
+    def made(folder: Path) -> str:
+        folder.mkdir(mode=0o700)
+        shutil.copyfile(tables / paths.MLFLOW_DB, folder / paths.MLFLOW_DB)
+        os.chmod(folder / paths.MLFLOW_DB, 0o600)
+        return str(folder)
+
+    return made
+
+
 @pytest.fixture
-def store(tmp_path, monkeypatch):
+def store(tmp_path, monkeypatch, new_store):
     """A fresh embedded MLflow store, and no MLflow configuration left over from another test."""
     mlflow = pytest.importorskip("mlflow")
     from mlflow.tracking import MlflowClient
     from mlflow.tracking._tracking_service import utils as tracking_utils
 
     monkeypatch.chdir(tmp_path)  # MLflow's own defaults (./mlruns) must not land in the repository
-    monkeypatch.setenv("AIR_MAGIC_MLFLOW_DIR", str(tmp_path / "mlflow"))
+    monkeypatch.setenv("AIR_MAGIC_MLFLOW_DIR", new_store(tmp_path / "mlflow"))
     for name in (
         "MLFLOW_TRACKING_URI",
         "MLFLOW_EXPERIMENT_NAME",
@@ -196,98 +244,35 @@ def store(tmp_path, monkeypatch):
         monkeypatch.delenv(name)
     monkeypatch.setattr(tracking_utils, "_tracking_uri", None)
     monkeypatch.setattr(mlflow.tracking.fluent, "_active_experiment_id", None)
-    from air_magic import paths
-
     yield MlflowClient(paths.embedded_mlflow_uri())
     while mlflow.active_run():
         mlflow.end_run()
 
 
-def gone_within(pids, seconds: float = 5.0) -> bool:
-    """True once none of ``pids`` is a live process (zombies count as gone), within ``seconds``."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
-            return True
-        time.sleep(0.05)
-    return False
+_ray: dict[str, Any] = {}  # the Ray cluster of the tests, while it is up
 
 
-def mlflow_status(info) -> str:
-    """The MLflow status of a run's call, read back from the session's embedded store."""
-    from mlflow.tracking import MlflowClient
-
-    from air_magic.paths import embedded_mlflow_uri as embedded_uri
-
-    assert info is not None and info.mlflow_run_id, "the call was not tracked"
-    return MlflowClient(embedded_uri()).get_run(info.mlflow_run_id).info.status
-
-
-def ready_starter() -> None:
-    """Wait (up to 120 s) until the warm starter has imported torch, as a loaded machine may need.
-
-    A call waits for the starter no longer than its own timeout, and then reports that no rank
-    started: right for users, wrong for a test of what ranks do at a 3-second timeout."""
-    from air_magic.backends.local import warm
-
-    if warm.enabled():
-        assert warm.get_starter(wait_s=120) is not None, "the warm starter did not come up"
-
-
-def run_ranks(fn, *args, n=2, wait_for_starter=True, **settings):
-    """Call ``fn`` on ``n`` ranks; when a launched call fails, its MLflow run must say FAILED."""
-    import air_magic
-
-    settings.setdefault("display", "none")
-    if wait_for_starter and settings.get("timeout") is not None and settings.get("warm_start", True):
-        ready_starter()  # a short timeout tests the ranks, not how long torch takes to import
-    before = air_magic.last_run()
-    try:
-        return air_magic.distributed(num_accelerators=n, **settings)(fn).distributed(*args)
-    except Exception:
-        after = air_magic.last_run()
-        if after is not before and after.mlflow_run_id:
-            assert mlflow_status(after) == "FAILED"
-        raise
-
-
-def interrupt_tracked_caller(folder: Path, metrics_per_rank: int = 0) -> tuple[str, str]:
-    """Run tests/helpers/tracked_caller.py (experiment 'interrupted'), SIGINT it once both ranks
-    have logged ``metrics_per_rank`` metrics and are asleep; return its stdout and stderr."""
-    ready = folder / "ready"
-    ready.mkdir()
-    script = os.path.join(os.path.dirname(__file__), "helpers", "tracked_caller.py")
-    proc = subprocess.Popen(
-        [sys.executable, script, str(ready), str(metrics_per_rank)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    deadline = time.monotonic() + 60
-    while len(os.listdir(ready)) < 2:
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "ranks did not start"
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
-    return proc.communicate(timeout=60)
-
-
-@pytest.fixture(scope="session")
+@pytest.fixture
 def ray_cluster():
     """A real Ray cluster of 3 nodes on this machine, one fake GPU each (placement spreads ranks
     over nodes; the ranks run on the CPU with gloo, as no node has an NVIDIA driver). Loopback only.
 
-    One for the whole run: the tests that use it run last (pytest_collection_modifyitems), as a
-    connected driver holds sockets and Ray's processes are this process's children, which the
-    other tests would count as theirs. A test that takes a node away puts one back."""
+    One for all the tests that use it, which run one after another (pytest_collection_modifyitems
+    sorts them last; under xdist they are one group): it starts with the first (20 s) and stops
+    after the last (pytest_runtest_teardown), as a connected driver holds sockets and Ray's
+    processes, children of this one, use CPU while idle. A test that takes a node away puts one back."""
+    if "cluster" not in _ray:
+        _ray["cluster"] = _start_ray_cluster()
+    return _ray["cluster"]
+
+
+def _start_ray_cluster() -> Any:
     # Before Ray is imported (it reads them then): every listener and address on 127.0.0.1 (NOTES.md).
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     ray = pytest.importorskip("ray")
     from ray._private import ray_constants
     from ray.cluster_utils import Cluster
-
-    from air_magic.backends.ray import placement
 
     ray_constants.ENABLE_RAY_CLUSTER = False  # in case another test imported Ray first
     node = {"num_cpus": 2, "num_gpus": 1, "node_ip_address": "127.0.0.1"}
@@ -297,13 +282,33 @@ def ray_cluster():
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
     cluster.node_args = node  # for tests that add a node back
-    yield cluster
+    return cluster
+
+
+def _stop_ray_cluster() -> None:
+    cluster = _ray.pop("cluster", None)
+    if cluster is None:
+        return
+    import ray
+
+    from air_magic.backends.ray import placement
+
     placement.release_all(force=True)
     ray.shutdown()
     cluster.shutdown()
     deadline = time.monotonic() + 20
-    while any(_rays_own(p) for p in psutil.Process().children(recursive=True)):
+    while any(rays_own(p) for p in psutil.Process().children(recursive=True)):
         if time.monotonic() > deadline:
             break  # the next test's leftover check names them
-        _reap_zombies()
+        reap_zombies()
         time.sleep(0.1)
+
+
+@pytest.hookimpl(trylast=True)  # after the test's own fixtures are torn down
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    if "cluster" in _ray and (nextitem is None or not _on_the_ray_cluster(nextitem)):
+        _stop_ray_cluster()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    _stop_ray_cluster()  # a run stopped early (-x, Ctrl-C) between two of its tests

@@ -3,7 +3,7 @@
     python tests/reliability_doc.py          # print the table
     python tests/reliability_doc.py --write  # rewrite docs/reliability.md's table
 
-tests/test_reliability_doc.py fails when the document and the tests disagree,
+tests/unit/test_reliability_doc.py fails when the document and the tests disagree,
 so the table cannot drift from what is tested.
 """
 
@@ -19,9 +19,10 @@ BEGIN, END = "<!-- fault-matrix:begin -->", "<!-- fault-matrix:end -->"
 
 
 def collect() -> list[tuple[str, str, str]]:
-    """(case, expected, 'file::test') for every fault-marked test, in file order."""
+    """(case, expected, 'tier/file::test') for every fault-marked test, in file-name order
+    (so a row keeps its number when a file moves between the tiers' folders)."""
     rows = []
-    for path in sorted(TESTS.glob("test_*.py")):
+    for path in sorted(TESTS.glob("*/test_*.py"), key=lambda p: p.name):
         tree = ast.parse(path.read_text())
         for node in tree.body:
             if not isinstance(node, ast.FunctionDef):
@@ -33,7 +34,7 @@ def collect() -> list[tuple[str, str, str]]:
                     and len(decorator.args) == 2
                 ):
                     case, expected = (ast.literal_eval(a) for a in decorator.args)
-                    rows.append((case, expected, f"{path.name}::{node.name}"))
+                    rows.append((case, expected, f"{path.parent.name}/{path.name}::{node.name}"))
     return rows
 
 

@@ -1,6 +1,6 @@
 """The backend seam: what every backend (local processes today, a Ray cluster later) implements.
 
-The session layer (``session/call.py``) picks a backend for a call and drives it
+The call layer (``calls/call.py``) picks a backend for a call and drives it
 in three steps:
 
 1. :meth:`Backend.prepare` — get ready for a call with these settings (start
@@ -18,7 +18,7 @@ in three steps:
 4. :meth:`Backend.stacks` — from any thread: every running rank's thread stacks
    (``launch/stacks.py``), by rank; ``{}`` when nothing runs.
 
-A new backend is done when ``tests/test_backend_contract.py`` passes for it.
+A new backend is done when ``tests/contract/test_backend_contract.py`` passes for it.
 """
 
 from __future__ import annotations

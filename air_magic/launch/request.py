@@ -36,7 +36,7 @@ class LaunchRequest:
     exit_zero_succeeds: bool = False
     log_root: str | None = None  # where the call's log folder is made (None: paths.default_log_root)
     run_id: str | None = None  # the call's id, when the caller chose it (a detached run's); None: new
-    # A persistent session's line to its ranks (session/persistent.py); None for a one-off call.
+    # A persistent session's line to its ranks (calls/persistent.py); None for a one-off call.
     channel: CellChannel | None = None
 
 
@@ -51,7 +51,7 @@ class CellSender(Protocol):
 
 
 class CellChannel(Protocol):
-    """A persistent session's side of the line to its ranks (session/persistent.py).
+    """A persistent session's side of the line to its ranks (calls/persistent.py).
 
     The backend calls :meth:`connect` before any rank starts, with its :class:`CellSender`,
     and :meth:`answered` on its own thread for each answer of a rank, after handing every

@@ -42,13 +42,13 @@ from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.utils.process import arg_split
 
 from air_magic import paths, verbs
+from air_magic.calls import background, detached, history, persistent
+from air_magic.calls import call as session
 from air_magic.errors import ConfigurationError
 from air_magic.launch.accelerators import describe, detect_gpus
 from air_magic.launch.settings import LaunchSettings, argument_specs, make_settings, settings_from_args
 from air_magic.notebook import namespace
 from air_magic.notebook.cell_analysis import names_assigned, names_deleted, names_read, star_imports
-from air_magic.session import background, detached, history, persistent
-from air_magic.session import call as session
 from air_magic.worker import cell_runner
 
 _F = TypeVar("_F", bound=Callable[..., Any])

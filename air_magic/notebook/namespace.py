@@ -6,7 +6,7 @@ IPython-only lines are refused and its syntax checked as a rank will compile it;
 send and modules to re-import (an unpicklable one fails here, named); after the
 ranks return, :func:`bring_back` puts rank 0's names into the notebook, deletes
 what the cell deleted, and tells a persistent session which names its ranks
-now hold (``session/held_names.py``).
+now hold (``calls/held_names.py``).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from typing import Any
 
 from IPython.core.error import UsageError
 
+from air_magic.calls import held_names, history, persistent
 from air_magic.errors import PayloadError
 from air_magic.protocol import serialization
-from air_magic.session import held_names, history, persistent
 from air_magic.worker import cell_runner
 
 

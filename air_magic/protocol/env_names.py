@@ -44,7 +44,7 @@ SHARED_RUN = "AIR_MAGIC_MLFLOW_RUN_ID"  # the call's MLflow run, which ranks kee
 
 # -- what the launcher gives each rank (launch/rank_env.py) -------------------------------------
 # A persistent session's ranks keep these as launched when the notebook changes its own (each
-# cell follows the notebook's other changes: session/persistent.py, worker/session_rank.py).
+# cell follows the notebook's other changes: calls/persistent.py, worker/session_rank.py).
 LAUNCH_NAMES = frozenset(
     {
         "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "ROLE_RANK",

@@ -1,7 +1,7 @@
 """A call's events as JSON lines in a file: a detached run's supervisor writes it, an attach reads it.
 
-The supervisor (``session/supervisor.py``) adds :class:`EventLogWriter` to its
-call's consumers; whoever attaches (``session/detached.py``) reads the file from
+The supervisor (``calls/supervisor.py``) adds :class:`EventLogWriter` to its
+call's consumers; whoever attaches (``calls/detached.py``) reads the file from
 its start with :func:`follow` and hands each event to its own displays: what
 was printed so far, then the stream, through the same consumers a live call
 uses. Every event but ``Tick`` is kept, rank output as it came (carriage returns

@@ -1,7 +1,7 @@
 """Events a backend reports, and the bus that hands them to consumers.
 
 A backend (``backends/``) *produces* events; consumers (``display/``,
-``tracking/``, ``session/history.py``) *consume* them and never drive
+``tracking/``, ``calls/history.py``) *consume* them and never drive
 processes. A consumer that raises is detached with one warning, so a display
 bug can never hang or break a call.
 

@@ -34,7 +34,7 @@ def error_path(call_dir: str, rank: int) -> str:
 
 
 def session_cell_path(call_dir: str, cell: int) -> str:
-    """A persistent session's cell N: its payload, read by every rank (session/persistent.py)."""
+    """A persistent session's cell N: its payload, read by every rank (calls/persistent.py)."""
     return os.path.join(call_dir, f"cell-{cell}.pkl")
 
 

@@ -16,12 +16,12 @@
   left RUNNING (a killed rank) end with it.
 - **Never on the caller's thread.** ``import mlflow`` and every MLflow request
   run on helper threads (:func:`~air_magic.tracking.mlflow_import.import_mlflow`,
-  :class:`RunStart`); the caller's thread only waits. So an interrupt at any
+  :class:`TrackedRunOwner`); the caller's thread only waits. So an interrupt at any
   moment stops a wait, never an import half-way (which would break every later
   call) nor the run's end (which would leave it RUNNING).
 
-The session (``session/call.py``) describes the call in a :class:`CallFacts`,
-waits on a :class:`RunStart`, and hands the :class:`TrackedRun` it gives the
+The call layer (``calls/call.py``) describes the call in a :class:`CallFacts`,
+waits on a :class:`TrackedRunOwner`, and hands the :class:`TrackedRun` it gives the
 launch events and, in a ``finally``, the call's outcome.
 """
 
@@ -79,7 +79,7 @@ _live: list[TrackedRun] = []  # runs of this process not yet ended (for atexit)
 class TrackedRun:
     """The MLflow run of one call. A consumer of launch events, and ended by :meth:`finish`.
 
-    Its MLflow work runs on its owner thread (:meth:`serve`, see :class:`RunStart`), in order;
+    Its MLflow work runs on its owner thread (:meth:`serve`, see :class:`TrackedRunOwner`), in order;
     the caller's thread only queues it in :attr:`jobs` and waits.
     """
 
@@ -274,7 +274,7 @@ class CallFacts:
 _NOT_READ = object()
 
 
-class RunStart:
+class TrackedRunOwner:
     """Creates the call's run on an owner thread, which then does all of the run's MLflow work.
 
     Why a thread: nothing MLflow does may run on the caller's thread. There, an interrupt
@@ -291,7 +291,7 @@ class RunStart:
         # Imported on the caller's thread, before its end: ``import mlflow`` on the owner thread
         # imports it, which registers a threading exit hook, refused once the main thread has
         # ended (a script that starts a background run and ends: its run must still be made and
-        # ended KILLED by session/background.cancel_all). Standard library, already loaded mostly.
+        # ended KILLED by calls/background.cancel_all). Standard library, already loaded mostly.
         import concurrent.futures.thread  # noqa: F401
 
         self._call = call
@@ -501,7 +501,7 @@ def _link(uri: str, experiment_id: str, run_id: str) -> str | None:
 def end_live_runs() -> None:
     """A caller that exits in an orderly way mid-call (kernel shutdown) ends its runs as KILLED.
 
-    Called at interpreter exit by the session layer, after the ranks are stopped (session/call.py)."""
+    Called at interpreter exit by the call layer, after the ranks are stopped (calls/call.py)."""
     for tracked in list(_live):
         tracked.finish(Outcome.INTERRUPTED, wait_s=AT_EXIT_WAIT_S)
 

@@ -1,6 +1,6 @@
 """A persistent session's cells in its MLflow run: each cell's code, and one step per cell.
 
-Called by ``session/persistent.py`` on the caller's thread; every write is
+Called by ``calls/persistent.py`` on the caller's thread; every write is
 queued on the tracked run's owner thread (``tracking/run.TrackedRun.jobs``), so
 a cell never waits for the store.
 """

@@ -17,7 +17,7 @@
   on its first call (:func:`end_orphaned_runs`).
 
 Everything here that talks to MLflow runs on the run's owner thread
-(run.py's :class:`~air_magic.tracking.run.RunStart`), never on the caller's.
+(run.py's :class:`~air_magic.tracking.run.TrackedRunOwner`), never on the caller's.
 """
 
 from __future__ import annotations

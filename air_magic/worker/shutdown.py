@@ -21,7 +21,7 @@ What the starter preloaded (``preloaded``) is left as it is, and so are the
 ``weakref.finalize`` hooks it registered (the starter turns them off before it
 forks: torch's spend 60 ms unregistering operator libraries from a process that
 is ending). Python never promised ``__del__`` for objects still alive at exit.
-tests/test_warm_equals_fresh.py runs the same probes in both modes.
+tests/process/test_warm_equals_fresh.py runs the same probes in both modes.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Long runs on a real GPU (run on the device; one GPU is enough): GPU claims, cancel, stacks, detach.
 
-On the CPU machine these paths are tested with faked GPU plans (tests/test_background.py,
-tests/test_detached.py); here the ranks hold a real CUDA context.
+On the CPU machine these paths are tested with faked GPU plans (tests/process/test_background.py,
+tests/process/test_detached.py); here the ranks hold a real CUDA context.
 
 python -m pytest -m gpu tests/gpu/test_long_runs_gpu.py
 """

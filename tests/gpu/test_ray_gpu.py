@@ -17,7 +17,6 @@ from air_magic.launch.accelerators import detect_gpus
 GPUS = detect_gpus()
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.slow,
     pytest.mark.skipif(not GPUS, reason="no NVIDIA GPU visible through NVML"),
 ]
 

@@ -13,8 +13,8 @@ import psutil
 import pytest
 
 import air_magic
+from air_magic.calls import persistent
 from air_magic.launch.accelerators import detect_gpus
-from air_magic.session import persistent
 
 GPUS = detect_gpus()
 pytestmark = [

@@ -1,7 +1,8 @@
 """Jupyter kernels and IPython shells for tests: one copy of each helper, shared by every test file.
 
 - ``Kernel``: a kernel driven message by message (for what nbclient does not expose), restarted
-  beside the test with ``restart_in_background`` / ``wait_restarted``.
+  beside the test with ``restart_in_background`` / ``wait_restarted``; ``wait_for_pids`` reads
+  the ranks' ``pid=N`` lines of a running cell.
 - ``notebook_client``: nbclient's client for a notebook, with widget state stored.
 - ``kernel_pid``: a kernel manager's pid, read guarded.
 - ``air_magic_shell``: IPython's shell with the extension loaded, unloaded afterwards.
@@ -19,7 +20,8 @@ from typing import Any
 
 from jupyter_client.manager import start_new_kernel
 
-EXAMPLES = Path(__file__).resolve().parent.parent.parent / "examples"
+from helpers.paths import EXAMPLES
+
 RESTART_WAIT_S = 60.0  # a restart is a kill and a new kernel's start (a few s; more on a busy 2-core machine)
 
 
@@ -131,6 +133,28 @@ class Kernel:
                 if shell["parent_header"].get("msg_id") == msg_id:
                     reply = shell
         return reply["content"], counts
+
+    def wait_for_pids(self, msg_id: str, count: int, timeout: float = 90) -> tuple[list[int], list[str]]:
+        """Read the output of execution ``msg_id`` until ``count`` lines said ``pid=N``.
+
+        Returns those pids and every line printed so far (for what else the lines carry).
+        The execution goes on: the caller decides what happens next (interrupt, shutdown, ...)."""
+        pids: list[int] = []
+        lines: list[str] = []
+        deadline = time.monotonic() + timeout
+        while len(pids) < count:
+            assert time.monotonic() < deadline, f"the ranks did not print their pids: {lines}"
+            try:
+                msg = self.kc.get_iopub_msg(timeout=1)
+            except queue.Empty:
+                continue
+            if msg["parent_header"].get("msg_id") != msg_id or msg["msg_type"] != "stream":
+                continue
+            for line in msg["content"]["text"].splitlines():
+                lines.append(line)
+                if "pid=" in line:
+                    pids.append(int(line.split("pid=")[1].split()[0]))
+        return pids, lines
 
     def printed(self, code: str, timeout: float = 120) -> str:
         """Execute ``code``, which must succeed; return all it printed (stdout and stderr streams)."""

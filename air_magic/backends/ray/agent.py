@@ -170,7 +170,7 @@ class NodeAgent:
     def ping(self) -> int:
         return os.getpid()
 
-    # -- a persistent session's cells (SPEC §15; the caller's session/persistent.py) --------
+    # -- a persistent session's cells (SPEC §15; the caller's calls/persistent.py) --------
 
     def cell(self, run_id: str, number: int, payload: bytes) -> None:
         """Cell ``number`` to this node's ranks of session ``run_id`` (the payload, resolved by Ray)."""

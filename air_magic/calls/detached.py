@@ -1,0 +1,544 @@
+"""Detached runs: ranks under a supervisor process that outlives the kernel; attach from any kernel.
+
+``detach=True`` (``--detach``) sends a prepared call (``calls/call.prepare_call``)
+to a supervisor (``calls/supervisor.py``) instead of running it in this
+process. Everything lives in one private folder per run,
+``~/.local/state/air_magic/detached/<id>/`` (0700, this user's alone; the root
+is checked like the log root)::
+
+    request.pkl    kernel -> supervisor: the call (deleted once read: the arguments in clear)
+    state.json     what the run is and how it stands (rewritten at each change)
+    events.jsonl   every event of the call (protocol/event_log.py): an attach replays it
+    result.pkl     every rank's value, or the error
+    supervisor.log the supervisor's own output
+
+:func:`start_detached` writes the request, starts the supervisor in a session of
+its own and follows the run like :func:`attach` does: a :class:`RunHandle` whose
+displays replay ``events.jsonl``. ``runs()`` lists every detached run of this
+user on this machine; ``attach(run)`` re-opens one: what was printed so far,
+then the stream, and the handle (result, cancel, stacks). Cancel is SIGTERM to
+the supervisor, which stops the ranks as an interrupt would. A kernel that goes
+away stops following; the run goes on. Nothing travels over a socket.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+
+from air_magic import paths, private_files
+from air_magic.calls.background import RunHandle, show_displays
+from air_magic.display.widgets import make_consumers
+from air_magic.errors import ConfigurationError, LaunchError
+from air_magic.launch.accelerators import AcceleratorPlan
+from air_magic.launch.request import RunResult
+from air_magic.launch.settings import stop_grace_s
+from air_magic.launch.stacks import take_stacks
+from air_magic.protocol import event_log, serialization, wire
+from air_magic.protocol.events import (
+    Event,
+    Outcome,
+    RankExited,
+    RankStarted,
+    RecordLink,
+    RunFinished,
+    RunStarted,
+    Tick,
+)
+from air_magic.threads import start_in_context
+
+REQUEST = paths.DETACHED_REQUEST
+STATE = paths.DETACHED_STATE
+EVENTS = paths.DETACHED_EVENTS
+RESULT = paths.DETACHED_RESULT
+SUPERVISOR_LOG = paths.SUPERVISOR_LOG
+KEEP_ENDED = 50  # ended runs' folders kept (their events can be large; the logs stay in the log root)
+RESULT_WAIT_S = 60.0  # after the last event: the supervisor writes the result, then ends the MLflow run
+TICK_S = 0.2
+REPLAY_WAIT_S = 30.0  # attach() returns once the events so far are replayed, or after this long
+_LIVE = ("starting", Outcome.RUNNING)
+_ROOT_FIX = "Set XDG_STATE_HOME to a folder only you can write"
+
+
+@dataclass(frozen=True)
+class DetachedRequest:
+    """What the supervisor needs to run the call: the prepared call, without its backend."""
+
+    name: str
+    kind: str
+    settings_raw: dict[str, Any]
+    plan: AcceleratorPlan
+    payload: bytes
+    facts: Any  # tracking.CallFacts, or None when the call is not tracked
+    sys_path: list[str]
+    argv: list[str]
+    active: Any = None  # the caller's active MLflow run, under which the call's run nests
+
+
+@dataclass(frozen=True)
+class DetachedRun:
+    """One detached run, as ``runs()`` lists it."""
+
+    id: str
+    name: str
+    status: str  # starting, running, succeeded, failed, timeout, cancelled, or lost (its supervisor died)
+    world_size: int
+    started: float  # wall clock
+    log_dir: str | None
+    folder: str
+    pid: int | None
+    mlflow: str | None
+
+    def __str__(self) -> str:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started))
+        ranks = f"{self.world_size} rank(s)"
+        return f"{self.id}  {self.status:<9}  {ranks}  {when}  {self.name}  logs: {self.log_dir}"
+
+
+def root() -> str:
+    return private_files.private_root(
+        paths.state_dir(paths.DETACHED_DIR), "the detached runs' folder", _ROOT_FIX
+    )
+
+
+# -- starting ---------------------------------------------------------------------------
+
+
+def start_detached(prepared: Any, on_result: Any = None, consumers: Sequence[Any] = ()) -> RunHandle:
+    """Hand ``prepared`` to a new supervisor; follow it here. Returns at once."""
+    from air_magic.launch.request import new_run_id
+
+    run_id = new_run_id()
+    folder = os.path.join(root(), run_id)
+    os.mkdir(folder, 0o700)
+    try:
+        _prune()
+        request = DetachedRequest(
+            name=prepared.name,
+            kind=prepared.kind,
+            settings_raw=dict(prepared.settings.raw),
+            plan=prepared.plan,
+            payload=prepared.payload,
+            facts=_facts_for_elsewhere(prepared.facts),
+            sys_path=list(sys.path),
+            argv=list(sys.argv) or [""],
+            active=prepared.run_owner.remembered_active if prepared.run_owner is not None else None,
+        )
+        wire.write_atomically(os.path.join(folder, REQUEST), serialization.dumps(request))
+        # Written once here, before the supervisor exists; from then on the supervisor alone writes it.
+        _write_state(
+            folder,
+            {
+                "id": run_id,
+                "name": prepared.name,
+                "status": "starting",
+                "started": time.time(),
+                "world_size": prepared.plan.world_size,
+                "kind": request.kind,
+                "gpus": [g.uuid for g in prepared.plan.gpus],
+                "stop_grace": stop_grace_s(prepared.settings.stop_grace),  # what cancel() waits out
+            },
+        )
+        private_files.create_private_file(os.path.join(folder, EVENTS))  # a follower opens it at once
+        log = private_files.open_private(
+            os.path.join(folder, SUPERVISOR_LOG), os.O_WRONLY | os.O_APPEND | os.O_CREAT
+        )
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "air_magic.calls.supervisor", folder],
+                env=_supervisor_env(),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                start_new_session=True,  # a kernel's death, a closed terminal, a SIGHUP: none reach it
+            )
+        finally:
+            os.close(log)
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)  # no supervisor: nothing of it may stay (the arguments)
+        raise
+    # The supervisor's state.json now says which GPUs it holds, for every process: this one's claim goes.
+    prepared.abandon()
+    _reap_later(proc)
+    return _follow(folder, make_consumers(prepared.settings.display), on_result, consumers)
+
+
+def _facts_for_elsewhere(facts: Any) -> Any:
+    """The call's facts with its experiment named: the supervisor is not the notebook or script
+    whose name the default experiment takes (MLflow's own variables travel in the environment)."""
+    if facts is None or facts.experiment is not None:
+        return facts
+    if os.environ.get("MLFLOW_EXPERIMENT_ID") or os.environ.get("MLFLOW_EXPERIMENT_NAME"):
+        return facts
+    from air_magic.tracking import store
+
+    if store.active_experiment_id() is not None:  # mlflow.set_experiment(): _supervisor_env passes it
+        return facts
+    return dataclasses.replace(facts, experiment=store.default_experiment_name())
+
+
+def _supervisor_env() -> dict[str, str]:
+    """This process's environment, with the MLflow store and experiment it would use said
+    explicitly (mlflow.set_tracking_uri() and set_experiment() live in this process only), and
+    whether a kernel's call would start the store's MLflow UI (tracking/ui.py)."""
+    env = dict(os.environ)
+    from air_magic.tracking import store
+    from air_magic.tracking import ui as mlflow_ui
+
+    if mlflow_ui.auto_start_allowed():  # started from a notebook: its run link opens, as a call's does
+        env[mlflow_ui.AUTO_ENV] = "1"
+
+    chosen = store.active_experiment_id()  # mlflow.set_experiment() in this process
+    if chosen is not None and "MLFLOW_EXPERIMENT_ID" not in env:
+        env["MLFLOW_EXPERIMENT_ID"] = chosen
+    mlflow = sys.modules.get("mlflow")
+    if mlflow is not None and "MLFLOW_TRACKING_URI" not in env:
+        try:
+            from mlflow.tracking._tracking_service import utils as tracking_utils
+
+            if tracking_utils._tracking_uri is not None:  # set in code, not by the environment
+                env["MLFLOW_TRACKING_URI"] = str(tracking_utils._tracking_uri)
+        except Exception:  # noqa: BLE001 - MLflow's private detail moved: the default store then
+            pass
+    return env
+
+
+def _reap_later(proc: subprocess.Popen[bytes]) -> None:
+    """Wait for the supervisor in a daemon thread, so a kernel that stays up keeps no zombie."""
+    threading.Thread(target=proc.wait, name="air_magic-supervisor-reaper", daemon=True).start()
+
+
+# -- listing and attaching ----------------------------------------------------------------
+
+
+def runs() -> list[DetachedRun]:
+    """Every detached run of this user on this machine, newest first."""
+    found = []
+    base = root()
+    for entry in sorted(os.scandir(base), key=lambda e: e.name, reverse=True):
+        if entry.is_dir(follow_symlinks=False):
+            info = _read_run(entry.path)
+            if info is not None:
+                found.append(info)
+    return found
+
+
+def attach(
+    run: str | DetachedRun | None = None, display: str = "auto", consumers: Sequence[Any] = ()
+) -> RunHandle:
+    """Re-open a detached run (default: the newest one still running): its output so far, then the
+    stream, in this cell; the handle's result() waits for the end, cancel() stops it."""
+    info = _find(run)
+    state = _read_state(info.folder) or {}
+    # A cell's ranks return their cell's outcome; another kernel gets each rank's last value (the
+    # names go back only to the kernel that ran the cell, when its handle's result() is called).
+    on_result = _cell_values if state.get("kind") == "cell" else None
+    return _follow(info.folder, make_consumers(display), on_result, consumers)
+
+
+def _cell_values(result: RunResult) -> list[Any]:
+    return [serialization.loads(o.value) if o.value is not None else None for o in result.unwrap()]
+
+
+def find(run: str | DetachedRun | None) -> DetachedRun:
+    """The detached run ``run`` names (its id or the start of it; None: the newest running)."""
+    return _find(run)
+
+
+def _find(run: str | DetachedRun | None) -> DetachedRun:
+    if isinstance(run, DetachedRun):
+        return run
+    listed = runs()
+    if run is None:
+        live = [r for r in listed if r.status in _LIVE]
+        if not live:
+            raise ConfigurationError("no detached run is running (air_magic.runs() lists them all)")
+        return live[0]
+    matches = [r for r in listed if r.id == run] or [r for r in listed if r.id.startswith(str(run))]
+    if len(matches) != 1:
+        known = ", ".join(r.id for r in listed[:5]) or "none"
+        what = "no" if not matches else "more than one"
+        raise ConfigurationError(f"{what} detached run matches {run!r} (the newest: {known})")
+    return matches[0]
+
+
+def _read_run(folder: str) -> DetachedRun | None:
+    state = _read_state(folder)
+    if state is None:
+        return None
+    status = state.get("status", "starting")
+    supervisor = _supervisor(folder)
+    if status in _LIVE and not _supervisor_alive(folder, state):
+        status = "lost"
+    return DetachedRun(
+        id=state.get("id", os.path.basename(folder)),
+        name=state.get("name", "?"),
+        status=status,
+        world_size=int(state.get("world_size", 0)),
+        started=float(state.get("started", 0.0)),
+        log_dir=state.get("log_dir"),
+        folder=folder,
+        pid=supervisor[0] if supervisor else None,
+        mlflow=state.get("mlflow"),
+    )
+
+
+START_GRACE_S = 30.0  # a supervisor that has not said it listens after this long did not start
+
+
+def _supervisor(folder: str) -> tuple[int, float] | None:
+    """(pid, start time) the supervisor wrote as its first act (its ``listening`` mark)."""
+    try:
+        with open(os.path.join(folder, paths.DETACHED_LISTENING)) as f:
+            pid, started = f.read().split()
+        return int(pid), float(started)
+    except (OSError, ValueError):
+        return None
+
+
+def _supervisor_alive(folder: str, state: dict[str, Any] | None = None) -> bool:
+    supervisor = _supervisor(folder)
+    if supervisor is None:  # still starting (or it died doing so): a young run counts as alive
+        state = state if state is not None else (_read_state(folder) or {})
+        return time.time() - float(state.get("started", 0.0)) < START_GRACE_S
+    pid, started = supervisor
+    try:
+        proc = psutil.Process(pid)
+        return abs(proc.create_time() - started) < 1.0 and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _follow(folder: str, displays: list[Any], on_result: Any, more: Sequence[Any] = ()) -> RunHandle:
+    """A handle on the run in ``folder``, fed by a thread that replays and follows its events."""
+    _check_ours(folder)
+    state = _read_state(folder) or {}
+    name, world = state.get("name", "?"), int(state.get("world_size", 1))
+    pids: dict[int, int] = {}
+    handle = RunHandle(
+        name,
+        world,
+        stop=lambda grace_s=None, signum=None: _signal_supervisor(folder),  # the supervisor's grace
+        stacks=lambda: take_stacks(dict(pids), handle.log_dir) if handle.log_dir else {},
+        on_result=on_result,
+        stop_grace=float(state.get("stop_grace", 0.0)),
+    )
+    handle.detached_id = state.get("id", os.path.basename(folder))
+    handle.kind = state.get("kind", "function")
+    show_displays(displays, world, name)
+    consumers = [*displays, *more, handle]
+    stop = threading.Event()
+
+    caught_up = threading.Event()  # the replay reached the end of what was written so far
+
+    def follow_events() -> RunFinished | None:
+        started = time.monotonic()
+        last_tick = 0.0
+        finished: RunFinished | None = None
+        gone = False  # the supervisor died: read what it wrote to the end, then stop
+        for event in event_log.follow(os.path.join(folder, EVENTS), stop):
+            now = time.monotonic()
+            if event is None:
+                caught_up.set()
+                if gone:
+                    break
+            else:
+                if isinstance(event, RankStarted):
+                    pids[event.rank] = event.pid
+                elif isinstance(event, RankExited):
+                    pids.pop(event.rank, None)  # its pid may be reused: never signalled again
+                elif isinstance(event, RunStarted):
+                    _show_record(displays, _read_state(folder) or {})
+                _emit(consumers, event)
+                if isinstance(event, RunFinished):
+                    finished = event
+                    break
+            if now - last_tick >= TICK_S:
+                last_tick = now
+                _emit(consumers, Tick(elapsed=now - started))
+                if event is None and not _supervisor_alive(folder):
+                    gone = True
+        return finished
+
+    def follow() -> None:
+        try:
+            finished = follow_events()
+            caught_up.set()
+            if stop.is_set() and finished is None:  # unfollow(): the run goes on; this handle ends here
+                return
+            outcome = _outcome(folder, finished)
+        except Exception as exc:  # noqa: BLE001 - a follower never dies with its handle unfinished
+            outcome = (None, LaunchError(f"following detached run {handle.detached_id} failed: {exc!r}"))
+        caught_up.set()
+        handle._finish(*outcome)
+
+    handle.unfollow = stop.set  # type: ignore[attr-defined]
+    start_in_context(follow, f"air_magic-follow-{name}")
+    _followed.append(handle)
+    # Back once what was written so far is replayed: the handle knows the log folder, the ranks'
+    # pids and their states (stacks() and status answer at once), and the view shows it all.
+    caught_up.wait(REPLAY_WAIT_S)
+    return handle
+
+
+_followed: list[RunHandle] = []  # the detached runs this process follows (never cancelled at its exit)
+
+
+def followed() -> list[RunHandle]:
+    """The detached runs this process follows that have not ended, oldest first."""
+    _followed[:] = [h for h in _followed if not h.done() and h not in _unfollowed]
+    return list(_followed)
+
+
+_unfollowed: list[RunHandle] = []
+
+
+def stop_following(handle: RunHandle) -> str:
+    """Stop following a detached run here (the stop button, Ctrl-C): it goes on. What to do next."""
+    unfollow = getattr(handle, "unfollow", None)
+    if unfollow is not None:
+        unfollow()
+    _unfollowed.append(handle)
+    run = handle.detached_id
+    return (
+        f"stopped following detached run {run}; it goes on. Follow it again: air_magic.attach({run!r}) "
+        f"(%distributed attach {run}, air-magic attach {run}); stop it: .cancel() on that handle "
+        f"(air-magic cancel {run})"
+    )
+
+
+def _show_record(displays: list[Any], state: dict[str, Any]) -> None:
+    """The MLflow run the supervisor made (named in state.json before the first event) in each display."""
+    if state.get("mlflow_run_id"):
+        record = RecordLink(state["mlflow_run_id"], state.get("mlflow", ""), state.get("mlflow_url"))
+        for display in displays:
+            if hasattr(display, "set_record"):
+                display.set_record(record)
+
+
+def _emit(consumers: list[Any], event: Event) -> None:
+    for consumer in list(consumers):
+        try:
+            consumer.handle(event)
+        except Exception:  # noqa: BLE001 - a display must never stop the following
+            consumers.remove(consumer)
+
+
+def _outcome(folder: str, finished: RunFinished | None) -> tuple[RunResult | None, BaseException | None]:
+    """The run's result, once the supervisor has written it (after the ranks, it ends the MLflow
+    run, which may take a while); or, once it is gone without one, why there is none."""
+    path = os.path.join(folder, RESULT)
+    while not os.path.exists(path) and _supervisor_alive(folder):
+        time.sleep(0.05)
+    data = wire.read_bytes(path)
+    if data is None:
+        state = _read_state(folder) or {}
+        supervisor = _supervisor(folder)
+        return None, LaunchError(
+            f"the supervisor of detached run {state.get('id', folder)} "
+            f"(pid {supervisor[0] if supervisor else '?'}) ended without a result; its ranks ended "
+            f"with it (they die with their supervisor). Its log: {os.path.join(folder, SUPERVISOR_LOG)}"
+        )
+    try:
+        result: RunResult = serialization.loads(data)
+    except Exception as exc:  # noqa: BLE001 - the handle must end, and say why it has no result
+        state = _read_state(folder) or {}
+        return None, LaunchError(
+            f"detached run {state.get('id', folder)} ended ({state.get('status', '?')}), but its result "
+            f"could not be read here: {type(exc).__name__}: {exc}. Its logs: {state.get('log_dir')}"
+        )
+    return result, None
+
+
+def _signal_supervisor(folder: str) -> None:
+    """Cancel: the mark first (a supervisor still starting reads it), then SIGTERM once its handler
+    is in place (its ``listening`` mark): before that, SIGTERM's default would kill it unrecorded."""
+    import signal
+
+    private_files.create_private_file(os.path.join(folder, paths.DETACHED_CANCEL))
+    supervisor = _supervisor(folder)
+    if supervisor is not None and _supervisor_alive(folder):
+        try:
+            os.kill(supervisor[0], signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+
+def _check_ours(folder: str) -> None:
+    try:
+        info = os.stat(folder, follow_symlinks=False)
+    except PermissionError:
+        raise ConfigurationError(f"detached run {folder} is not yours to attach to") from None
+    if info.st_uid != os.getuid():
+        raise ConfigurationError(f"detached run {folder} belongs to another user: refusing to attach")
+
+
+# -- state.json -----------------------------------------------------------------------------
+
+
+def _read_state(folder: str) -> dict[str, Any] | None:
+    try:
+        with open(os.path.join(folder, STATE)) as f:
+            state: dict[str, Any] = json.load(f)
+            return state
+    except (OSError, ValueError):
+        return None
+
+
+def _write_state(folder: str, state: dict[str, Any]) -> None:
+    wire.write_atomically(os.path.join(folder, STATE), json.dumps(state).encode())
+
+
+def update_state(folder: str, **changes: Any) -> None:
+    """Change some fields of the run's state.json (the supervisor, its only writer once it runs)."""
+    state = _read_state(folder) or {}
+    state.update(changes)
+    _write_state(folder, state)
+
+
+def live_gpu_uuids() -> dict[str, str]:
+    """GPU uuid -> the detached run (of any kernel of this user) still running on it."""
+    held: dict[str, str] = {}
+    if not os.path.isdir(paths.state_dir(paths.DETACHED_DIR)):  # no detached run ever: nothing to read
+        return held
+    try:
+        listed = runs()
+    except (ConfigurationError, OSError):
+        return held
+    for run in listed:
+        if run.status in _LIVE:
+            for uuid in (_read_state(run.folder) or {}).get("gpus", []):
+                held[uuid] = f"detached run {run.id} ({run.name})"
+    return held
+
+
+def _prune() -> None:
+    """Keep the newest KEEP_ENDED ended runs' folders (a running one is never removed)."""
+    ended = [r for r in runs() if r.status not in _LIVE]
+    for run in ended[KEEP_ENDED:]:
+        shutil.rmtree(run.folder, ignore_errors=True)
+
+
+class RunStateWriter:
+    """The supervisor's consumer that keeps ``state.json`` current (log folder, ranks, outcome)."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def handle(self, event: Event) -> None:
+        if isinstance(event, RunStarted):
+            update_state(self.folder, status=Outcome.RUNNING, log_dir=event.log_dir, run_id=event.run_id)
+        elif isinstance(event, RunFinished):
+            outcome = Outcome.CANCELLED if event.outcome == Outcome.INTERRUPTED else event.outcome
+            update_state(self.folder, status=outcome, elapsed=event.elapsed, error=event.error)

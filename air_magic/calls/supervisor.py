@@ -1,0 +1,170 @@
+"""A detached run's supervisor: one small process that runs one call for a kernel that may go away.
+
+``python -m air_magic.calls.supervisor FOLDER``, started by ``calls/detached.py``
+in a session of its own. It reads the call from ``FOLDER/request.pkl`` (and
+deletes it: the arguments in clear) and runs it as a kernel would, through the
+same ``PreparedCall.run``: fresh ranks (a warm starter belongs to its kernel),
+the call's log folder, its MLflow run with the batched metric writer, every
+event appended to ``events.jsonl`` and the state to ``state.json``. At the end
+it writes ``result.pkl`` (values or error) and ends the MLflow run with the
+outcome. SIGTERM or SIGINT (``cancel()`` from any attached handle) stops the
+ranks as an interrupt would; SIGHUP is ignored. If the supervisor is killed,
+its ranks die with it (their lifeline), and the next call of any kernel marks
+its MLflow run KILLED.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+from air_magic import paths  # the standard library only: cheap before the handlers
+from air_magic.protocol.events import Outcome
+
+# A cancel may come while this process is still importing (a second or two): it is remembered
+# from the first moment, not left to SIGTERM's default action (which would leave the run 'lost').
+_stop_asked = threading.Event()
+_stop_now: list[Any] = []  # the backend's stop(), once there is a backend
+
+
+def _on_stop_signal(signum: int, frame: Any) -> None:
+    _stop_asked.set()
+    for stop in _stop_now:
+        stop()
+
+
+if __name__ == "__main__":  # before the imports below: they take the time a cancel may come in
+    signal.signal(signal.SIGTERM, _on_stop_signal)
+    signal.signal(signal.SIGINT, _on_stop_signal)
+    # SIGHUP keeps its default: in a session of its own the supervisor has no terminal to lose,
+    # and its ranks inherit what it has (an ignored SIGHUP would differ from a foreground call's).
+    # From now on a SIGTERM is a cancel; before, cancel() only leaves its mark (detached.py).
+    # Its pid and start time, written by itself (no other process writes them, so none can race it).
+    import psutil
+
+    me = f"{os.getpid()} {psutil.Process().create_time()}"
+    mark = os.path.join(sys.argv[1], paths.DETACHED_LISTENING)
+    fd = os.open(mark + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    os.write(fd, me.encode())
+    os.close(fd)
+    os.replace(mark + ".tmp", mark)
+
+from air_magic.backends.local.backend import LocalBackend  # noqa: E402
+from air_magic.calls import detached  # noqa: E402
+from air_magic.calls.call import PreparedCall  # noqa: E402
+from air_magic.launch.request import RunResult  # noqa: E402
+from air_magic.launch.settings import make_settings  # noqa: E402
+from air_magic.protocol import event_log, serialization, wire  # noqa: E402
+from air_magic.protocol.events import Consumer, RunStarted  # noqa: E402
+from air_magic.tracking import run as tracking  # noqa: E402
+
+
+def main(folder: str) -> int:
+    """Run the call in ``folder``; whatever goes wrong, leave a result that says so."""
+    try:
+        return _supervise(folder)
+    except BaseException as exc:  # noqa: BLE001 - before the call ran: the attached handles learn why
+        detached.update_state(folder, status=Outcome.FAILED, error=f"{type(exc).__name__}: {exc}")
+        _write_result(folder, RunResult("", "", Outcome.FAILED, error=exc))
+        return 1
+
+
+def _supervise(folder: str) -> int:
+    request_path = os.path.join(folder, detached.REQUEST)
+    data = wire.read_bytes(request_path)
+    os.unlink(request_path)
+    assert data is not None, f"no request in {folder}"
+    request: detached.DetachedRequest = serialization.loads(data)
+    sys.path[:] = request.sys_path  # the caller's: its results may need its modules to load
+    sys.argv[:] = request.argv
+    settings = make_settings(request.settings_raw)
+    backend = LocalBackend(warm_start=False)
+    backend.prepare(settings)
+    _stop_now.append(backend.stop)
+    if _stop_asked.is_set() or os.path.exists(os.path.join(folder, paths.DETACHED_CANCEL)):
+        backend.stop()  # cancelled while this process started: the call ends at once
+
+    run_owner = tracking.TrackedRunOwner(request.facts, log_root=settings.log_dir) if request.facts else None
+    if run_owner is not None:
+        run_owner.remember_active(request.active)  # the caller's active run: the call's run nests in it
+    prepared = PreparedCall(
+        request.name,
+        settings,
+        backend,
+        request.plan,
+        request.payload,
+        run_owner,
+        None,
+        kind=request.kind,
+        run_id=os.path.basename(folder),  # one id for the run: its folder here, its log folder, runs()
+    )
+    # State first, events last: whoever reads an event finds the state (the MLflow run) it implies.
+    consumers: list[Consumer] = [
+        _RecordInState(folder, run_owner),
+        detached.RunStateWriter(folder),
+        event_log.EventLogWriter(os.path.join(folder, detached.EVENTS)),
+    ]
+    try:
+        result = prepared.run([], consumers)
+    except BaseException as exc:  # noqa: BLE001 - handed to whoever attaches
+        result = RunResult("", "", Outcome.FAILED, error=exc)
+        detached.update_state(folder, status=Outcome.FAILED, error=f"{type(exc).__name__}: {exc}")
+    _write_result(folder, result)
+    return 0
+
+
+def _kept_as_text(result: RunResult, exc: Exception) -> RunResult:
+    """``result`` as something that surely pickles: its error as text (its type, message and
+    rank's traceback), or, for values that cannot travel, an error that says so."""
+    from air_magic.errors import PayloadError, RankFailedError, RemoteTraceback
+
+    error = result.error
+    if error is None:
+        kept: BaseException = PayloadError(
+            f"the run ended ({result.outcome}) but its result could not be kept: {exc}"
+        )
+        return RunResult(result.run_id, result.log_dir, Outcome.FAILED, error=kept)
+    cause = error.__cause__ if isinstance(error.__cause__, RemoteTraceback) else None
+    kept = RankFailedError(
+        f"{type(error).__module__}.{type(error).__qualname__}: {error}\n"
+        f"(the exception itself could not be kept for whoever attaches: {exc})",
+        rank=getattr(error, "air_magic_rank", getattr(error, "rank", -1)),
+        log_dir=result.log_dir,
+        remote_traceback=cause.text if cause is not None else None,
+    )
+    kept.__cause__ = cause
+    return RunResult(result.run_id, result.log_dir, result.outcome, error=kept)
+
+
+class _RecordInState:
+    """Puts the call's MLflow run (which exists before the first event) in state.json for attaches."""
+
+    def __init__(self, folder: str, run_owner: tracking.TrackedRunOwner | None) -> None:
+        self._folder = folder
+        self._run_owner = run_owner
+
+    def handle(self, event: Any) -> None:
+        if isinstance(event, RunStarted) and self._run_owner is not None:
+            tracked = self._run_owner.tracked
+            if tracked is not None:  # it exists: PreparedCall.run waited for it before the ranks
+                link = tracked.link()
+                detached.update_state(
+                    self._folder, mlflow=link.description, mlflow_url=link.url, mlflow_run_id=link.run_id
+                )
+
+
+def _write_result(folder: str, result: RunResult) -> None:
+    try:
+        data = serialization.dumps(result)
+        if result.error is not None:  # what a follower will do: an error that pickles may not load
+            serialization.loads(serialization.dumps(result.error))
+    except Exception as exc:  # noqa: BLE001 - a value that cannot be pickled again: say so
+        data = serialization.dumps(_kept_as_text(result, exc))
+    wire.write_atomically(os.path.join(folder, detached.RESULT), data)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

@@ -1,0 +1,316 @@
+"""The one outcome rule, driven by scripted facts: a fake backend, no process started.
+
+``launch/ledger.py`` decides how each rank ended and what the call's outcome is,
+``launch/failures.root_cause_order`` which failure is the root cause, and
+``backends/call_loop.CallLoop`` is the template every backend runs. Here a
+:class:`ScriptedCall` replays node facts (``protocol/node_events.py``) through
+that template as a backend's rank groups would report them, so each rule is
+checked in milliseconds; the real processes check the same rules in the
+contract suite (tests/contract/test_backend_contract.py).
+"""
+
+from __future__ import annotations
+
+import pickle
+import signal
+import time
+
+import pytest
+from helpers.recording import Recorder
+
+from air_magic.backends.call_loop import GRACE_S, CallLoop
+from air_magic.errors import DistributedTimeoutError, PayloadError, RankFailedError
+from air_magic.launch.accelerators import AcceleratorPlan
+from air_magic.launch.failures import RankFailure, root_cause_order
+from air_magic.launch.ledger import CallLedger, RankRecord, classify_exit, timeout_error
+from air_magic.launch.request import LaunchRequest, StopRequest
+from air_magic.protocol import serialization
+from air_magic.protocol.events import EventBus, RankState, RunFinished
+from air_magic.protocol.node_events import Exited, GroupDone, NodeLost, Output, Raised, Returned
+from air_magic.protocol.wire import ErrorRecord
+
+
+def request(world: int = 2, **kw) -> LaunchRequest:
+    plan = AcceleratorPlan(world_size=world, gpus=(), detected="no NVIDIA GPU (CPU mode)")
+    kw.setdefault("log_root", _log_root)
+    return LaunchRequest(name="train", payload=b"", plan=plan, timeout=kw.pop("timeout", None), **kw)
+
+
+_log_root: str | None = None
+
+
+@pytest.fixture(autouse=True)
+def _logs_in(tmp_path):
+    """Each test's call folders under its own tmp_path."""
+    global _log_root
+    _log_root = str(tmp_path)
+    yield
+    _log_root = None
+
+
+def record(rank: int, when: float, exc: BaseException) -> bytes:
+    return serialization.dumps(
+        ErrorRecord(
+            rank=rank,
+            time=when,
+            stage="run",
+            type_name=f"{type(exc).__module__}.{type(exc).__qualname__}",
+            message=str(exc),
+            traceback=f'Traceback (most recent call last):\n  File "train.py", line 3\n{exc!r}\n',
+            exception=pickle.dumps(exc),
+        )
+    )
+
+
+def exited(rank: int, code: int | None, when: float, **kw) -> Exited:
+    kw.setdefault("result", None)
+    kw.setdefault("returned", kw["result"] is not None)
+    kw.setdefault("error", None)
+    kw.setdefault("status_lost", False)
+    kw.setdefault("teardown_at", None)
+    return Exited(rank, code, when, **kw)
+
+
+class ScriptedCall(CallLoop):
+    """A fake backend: each node's facts come from a script; stop() answers with the stopped exits."""
+
+    def __init__(self, req: LaunchRequest, script: list[tuple[int, object]], *, per_node=None, **kw):
+        self.recorder = Recorder()
+        per_node = per_node or [req.plan.world_size]
+        super().__init__(
+            req,
+            EventBus([self.recorder]),
+            stop_requested=kw.pop("stop_requested", StopRequest()),
+            ranks_per_node=per_node,
+            node_names=[f"node {i}" for i in range(len(per_node))],
+        )
+        self.script = list(script)
+        self.stops: list[tuple[float, int]] = []
+        self.teardown_at: float | None = None
+
+    def start(self) -> bool:
+        for rank in range(self.world):
+            self.ledger.started(rank, 1000 + rank)
+        return True
+
+    def pump(self, wait_s: float) -> None:
+        if self.script:
+            node, fact = self.script.pop(0)
+            self.ledger.take(node, fact)
+        else:
+            time.sleep(min(wait_s, 0.01))
+
+    def stop(self, grace_s: float, signum: int = signal.SIGTERM) -> None:
+        """Facts already on their way arrive first (as a backend's settle and drain take them in);
+        the ranks still running then exit stopped."""
+        if self.ledger.all_exited() or all(r.pid is None for r in self.ledger.records):
+            return
+        while self.script:
+            self.ledger.take(*self.script.pop(0))
+        self.ledger.begin_teardown()
+        self.stops.append((grace_s, signum))
+        self.teardown_at = now = time.monotonic()
+        for r in self.ledger.records:
+            if not r.exited:
+                self.ledger.take(r.node, exited(r.rank, -signal.SIGTERM, now + 0.01, teardown_at=now))
+
+    def stacks(self) -> dict[int, str]:
+        return {r: f"stack of rank {r}" for r in self.ledger.running()}
+
+
+class DivergedError(ValueError):
+    pass
+
+
+def test_every_rank_returning_gives_the_values_in_rank_order():
+    script = [
+        (0, Output(1, "stdout", b"hello\n")),
+        (0, exited(1, 0, 1.0, result=serialization.dumps("one"))),
+        (0, exited(0, 0, 1.1, result=serialization.dumps("zero"))),
+    ]
+    call = ScriptedCall(request(), script)
+    result = call.execute()
+    assert (result.outcome, result.values) == ("succeeded", ["zero", "one"])
+    assert call.recorder.exits() == {
+        0: (RankState.SUCCEEDED, "returned"),
+        1: (RankState.SUCCEEDED, "returned"),
+    }
+    assert call.stops == [] and isinstance(call.recorder.events[-1], RunFinished)
+
+
+def test_a_result_that_cannot_load_fails_the_call():
+    script = [(0, exited(r, 0, 1.0, result=b"not a pickle")) for r in (0, 1)]
+    result = ScriptedCall(request(), script).execute()
+    assert result.outcome == "failed" and isinstance(result.error, PayloadError)
+    assert "rank 0's return value could not be loaded" in str(result.error)
+
+
+def test_a_rank_raising_is_the_root_cause_and_the_others_are_stopped():
+    script = [(0, Raised(1, record(1, 5.0, DivergedError("nan")))), (0, exited(1, 1, 5.1))]
+    call = ScriptedCall(request(), script)
+    result = call.execute()
+    assert result.outcome == "failed" and isinstance(result.error, DivergedError)
+    assert result.error.air_magic_rank == 1 and call.ledger.failed_rank == 1
+    assert call.stops == [(GRACE_S, signal.SIGTERM)]
+    assert call.recorder.exits() == {
+        1: (RankState.FAILED, "raised an exception"),
+        0: (RankState.KILLED, "stopped by air_magic"),
+    }
+
+
+def test_a_collateral_error_stamped_first_is_not_the_root_cause():
+    # Rank 0's gloo error is stamped before rank 1's own (another node's clock ran ahead):
+    # the rank's own failure still comes first.
+    gloo = RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.2]:4242")
+    script = [
+        (0, exited(0, 1, 1.0, error=record(0, 1.0, gloo))),
+        (0, exited(1, 1, 2.0, error=record(1, 2.0, DivergedError("nan")))),
+    ]
+    result = ScriptedCall(request(), script).execute()
+    assert isinstance(result.error, DivergedError)
+    assert [f[0] for f in result.error.air_magic_failures] == [1, 0]
+
+
+def test_a_sigkill_seen_late_still_comes_before_the_error_it_caused():
+    gloo = serialization.loads(record(0, 10.0, RuntimeError("Connection reset by peer")))
+    own = serialization.loads(record(2, 10.2, DivergedError("oom in the loader")))
+    killed = RankFailure.of(1, 11.0, -signal.SIGKILL, None)  # its death was seen 1 s after the error
+    ordered = root_cause_order([RankFailure.of(0, 10.0, 1, gloo), RankFailure.of(2, 10.2, 1, own), killed])
+    assert [f.rank for f in ordered] == [1, 2, 0]
+    late = RankFailure.of(3, 30.0, -signal.SIGKILL, None)  # long after: a consequence in time
+    assert [f.rank for f in root_cause_order([RankFailure.of(2, 10.2, 1, own), late])] == [2, 3]
+
+
+def test_exits_after_the_teardown_are_classified_by_their_record():
+    req = request()
+    cases = {  # what the rank wrote, when (the teardown began at 10.0), it had returned -> how it ended
+        "stopped": (None, 0.0, False, (RankState.KILLED, "stopped by air_magic")),
+        "interrupted": (
+            KeyboardInterrupt(),
+            10.1,
+            False,
+            (RankState.KILLED, "stopped by air_magic (it raised while stopping)"),
+        ),
+        "raised before": (KeyboardInterrupt(), 9.0, False, (RankState.FAILED, "raised an exception")),
+        "its own error": (DivergedError("x"), 10.1, False, (RankState.FAILED, "raised an exception")),
+        "returned": (
+            None,
+            0.0,
+            True,
+            (RankState.KILLED, "stopped by air_magic after it returned, while it was exiting"),
+        ),
+    }
+    for name, (exc, raised_at, returned, expected) in cases.items():
+        r = RankRecord(0, exit_code=-signal.SIGTERM, exit_time=10.2, returned=returned, ended=True)
+        r.error = record(0, raised_at, exc) if exc is not None else None
+        assert classify_exit(req, r, teardown_at=10.0) == expected, name
+    before = RankRecord(0, exit_code=-signal.SIGKILL, exit_time=5.0)
+    assert classify_exit(req, before, teardown_at=9.9) == (RankState.FAILED, "killed by SIGKILL")
+    assert classify_exit(req, RankRecord(0, exit_code=3), None) == (RankState.FAILED, "exited with status 3")
+    script_exit = RankRecord(0, exit_code=3, error=record(0, 1.0, SystemExit(3)))  # a script's sys.exit(3)
+    assert classify_exit(req, script_exit, None) == (RankState.FAILED, "exited with status 3")
+    script = request(exit_zero_succeeds=True)
+    assert classify_exit(script, RankRecord(0, exit_code=0), None)[0] is RankState.SUCCEEDED
+    assert classify_exit(req, RankRecord(0, exit_code=0), None) == (
+        RankState.FAILED,
+        "exited with status 0 without a result",
+    )
+
+
+def test_a_reported_error_fails_the_call_while_the_rank_is_still_exiting():
+    # The rank wrote its error record but its interpreter waits for a thread: after
+    # REPORTED_EXIT_S the call fails anyway, and the rank counts as failed.
+    script = [(0, Raised(0, record(0, time.monotonic(), DivergedError("late"))))]
+    call = ScriptedCall(request(), script)
+    started = time.monotonic()
+    result = call.execute()
+    assert 0.9 < time.monotonic() - started < 10
+    assert isinstance(result.error, DivergedError)
+    assert call.recorder.exits()[0] == (RankState.FAILED, "raised an exception")
+
+
+def test_the_timeout_names_each_running_rank_its_last_lines_and_its_stack():
+    script = [(0, Output(0, "stdout", b"step 41\nstep 42\n")), (0, Returned(1))]
+    call = ScriptedCall(request(timeout=0.3), script)
+    result = call.execute()
+    assert result.outcome == "timeout" and isinstance(result.error, DistributedTimeoutError)
+    text = str(result.error)
+    assert "timed out after 0.3 s (timeout=0.3); every rank was stopped." in text
+    assert "rank 0 was still running; its last lines:\n      step 41\n      step 42" in text
+    assert "rank 1 had returned but was still exiting" in text
+    assert "\n  rank 1:\n" in text  # its stack, taken before the stop (launch/stacks.timeout_section)
+    assert result.error.still_running == [0, 1]
+
+
+def test_a_stop_asks_with_the_calls_grace_and_signal():
+    stop = StopRequest()
+    stop.ask(7.0, signal.SIGTERM)
+    call = ScriptedCall(request(stop_grace=30.0), [], stop_requested=stop)
+    result = call.execute()
+    assert result.outcome == "interrupted" and "was stopped before it finished" in str(result.error)
+    assert call.stops == []  # stopped before any rank started: none was started
+
+    class StoppedWhileRunning(ScriptedCall):
+        def start(self) -> bool:
+            super().start()
+            self.stop_requested.ask(7.0, signal.SIGTERM)  # cancel(grace) from another thread, say
+            return True
+
+    call = StoppedWhileRunning(request(stop_grace=30.0), [])
+    result = call.execute()
+    assert result.outcome == "interrupted" and call.stops == [(7.0, signal.SIGTERM)]
+    assert {state for state, _ in call.recorder.exits().values()} == {RankState.KILLED}
+
+
+def test_a_lost_node_is_an_own_failure_and_its_ranks_are_named_together():
+    gloo = RuntimeError("gloo: Connection closed by peer")
+    script = [
+        (1, NodeLost("its raylet died")),
+        (0, exited(0, 1, time.monotonic() + 5, error=record(0, time.monotonic() + 5, gloo))),
+    ]
+    call = ScriptedCall(request(world=3), script, per_node=[1, 2])
+    result = call.execute()
+    assert isinstance(result.error, RankFailedError) and result.error.rank == 1
+    text = str(result.error)
+    assert text.startswith("node 1 was lost during the call: its raylet died, and rank(s) 1, 2 with it")
+    assert "1 other rank(s) failed after it (collective errors)" in text
+    assert call.recorder.exits()[2] == (RankState.FAILED, "its node or agent was lost")
+
+
+def test_a_group_done_with_ranks_unreported_loses_them():
+    ledger = CallLedger(request(), EventBus([]), _Router(), "/logs", ranks_per_node=[2])
+    ledger.started(0, 10)
+    ledger.started(1, 11)
+    ledger.take(0, exited(0, 0, 1.0, result=serialization.dumps(0)))
+    ledger.take(0, GroupDone())
+    assert ledger.all_exited() and ledger.records[1].lost is not None and ledger.failed(time.monotonic())
+
+
+def test_the_timeout_text_is_one_for_calls_and_cells():
+    error = timeout_error(5, [(1, [], False)], {}, "/logs", subject="cell 3", then="session s1 goes on")
+    assert str(error).startswith("cell 3 timed out after 5 s (timeout=5); session s1 goes on.\n")
+    assert "rank 1 was still running; its last lines:\n      (nothing printed)" in str(error)
+
+
+class _Router:
+    def __init__(self) -> None:
+        from air_magic.backends.output import RankTail
+
+        self.tails = [RankTail() for _ in range(8)]
+
+    def feed(self, rank, stream, data) -> None:
+        self.tails[rank].add(data.decode())
+
+    def log_path(self, rank: int) -> str:
+        return f"/logs/rank_{rank}.log"
+
+
+@pytest.mark.parametrize("code", [-signal.SIGKILL, -signal.SIGSEGV, None])
+def test_a_death_without_a_record_is_named_by_its_signal(code):
+    script = [(0, exited(1, code, 1.0, status_lost=code is None))]
+    result = ScriptedCall(request(), script).execute()
+    assert isinstance(result.error, RankFailedError) and result.error.rank == 1
+    if code is None:
+        assert "exit status is unknown" in str(result.error)
+    else:
+        assert signal.Signals(-code).name in str(result.error)
