@@ -2,7 +2,7 @@
 
 Tests live in folders by kind (docs/testing.md): unit/ (no process of its own), process/ (real
 rank and caller processes), kernel/ (a real IPython shell or Jupyter kernel), contract/ (the
-backend contract, every backend), ray/ (a Ray cluster), browser/ (JupyterLab in chromium) and
+backend contract, every backend), ray_cluster/ (a Ray cluster), browser/ (JupyterLab in chromium) and
 gpu/ (the device). Each test gets its folder's name as a marker (``-m unit``).
 
 The test process makes itself a *child subreaper* (prctl), so any process a
@@ -84,7 +84,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if tier is not None:
             item.add_marker(tier)
         if tier == "ray" or _on_the_ray_cluster(item):  # also Ray of its own: /tmp/ray, its ports
-            item.add_marker("ray")
+            if tier != "ray":
+                item.add_marker("ray")
             item.add_marker(pytest.mark.xdist_group("ray"))
         elif item.path.name in _UI_FILES:
             item.add_marker(pytest.mark.xdist_group("ui"))
@@ -135,24 +136,13 @@ _SESSION_ENV = (
 
 
 @pytest.fixture(autouse=True)
-def _unit_tests_start_no_process(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
-    """A unit test starts no process: no warm starter (``%load_ext`` and ``.distributed()`` would
-    start one), and none of its own; one that does belongs in process/ or kernel/."""
-    if tier_of(request.node) != "unit":
-        yield
-        return
-    from air_magic.backends.local import warm
-    from air_magic.protocol import env_names
+def _no_warm_starter_in_unit_tests(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+    """A unit test starts no process (``no_leftovers`` fails one that leaves any), not even the warm
+    starter that ``%load_ext`` and ``.distributed()`` would start: it is turned off for them."""
+    if tier_of(request.node) == "unit":
+        from air_magic.protocol import env_names
 
-    monkeypatch.setenv(env_names.WARM, "0")
-    before = {p.pid for p in psutil.Process().children(recursive=True)}
-    yield
-    started = [
-        p
-        for p in psutil.Process().children(recursive=True)
-        if p.pid not in before and p.pid != warm.starter_pid() and not rays_own(p)
-    ]
-    assert not started, f"a unit test started processes (move it to process/): {started}"
+        monkeypatch.setenv(env_names.WARM, "0")
 
 
 @pytest.fixture(autouse=True)

@@ -72,8 +72,8 @@ def leftover_processes(timeout: float = LEFTOVER_WAIT_S) -> list[psutil.Process]
         time.sleep(0.05)
 
 
-# A Ray cluster of the tests (the ray_cluster fixture) is pytest's child and stays for the session:
-# its processes, and the warm starters of its node agents, are not leftovers. Ranks are.
+# The tests' Ray cluster (conftest's ray_cluster) is pytest's child and stays from its first test to
+# its last: its processes, and the warm starters of its node agents, are not leftovers. Ranks are.
 _RAY_MARKS = (
     "raylet",
     "gcs_server",
