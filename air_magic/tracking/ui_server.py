@@ -44,6 +44,9 @@ CHECK_S = 30.0  # how often the state file is looked at: an idle stop a little l
 GRACE_S = 5.0  # mlflow server's workers get this long after SIGTERM to exit on their own
 NICENESS = 10  # below the ranks: the server's start must not slow a call starting beside it
 PROXY_ENV = "AIR_MAGIC_MLFLOW_UI_PROXIED"  # set by ui.py when a proxy forwards the browser's Host
+# MLflow's job runner (a huey consumer pool, for server-side jobs that a UI over a store never
+# runs): on by default, it costs the server's start about 15 s of CPU and 8 more processes.
+JOB_EXECUTION_ENV = "MLFLOW_SERVER_ENABLE_JOB_EXECUTION"
 
 
 def state_path(folder: str) -> str:
@@ -67,6 +70,11 @@ def server_command(folder: str, port: int) -> list[str]:
         # listens on 127.0.0.1, where only this machine's processes (the proxy) reach it.
         command += ["--allowed-hosts", "*", "--cors-allowed-origins", "*"]
     return command
+
+
+def server_environment(env: dict[str, str]) -> dict[str, str]:
+    """The server's environment: the keeper's, with MLflow's job runner off unless the user set it."""
+    return {JOB_EXECUTION_ENV: "false", **env}
 
 
 def read_record(path: str) -> dict[str, object] | None:
@@ -144,6 +152,7 @@ def main(argv: list[str]) -> int:
             stdout=log,
             stderr=log,
             cwd=args.folder,
+            env=server_environment(dict(os.environ)),
             start_new_session=True,  # its own group: stopped as a whole, never signalling the keeper
         )
     _update(args.folder, path, me, {"group": server.pid, "server": private_files.process_tag(server.pid)})

@@ -171,7 +171,7 @@ def test_opted_out_or_outside_a_kernel_nothing_starts_and_the_text_names_the_com
     assert not _port_open(int(link.split(":")[2].split("/")[0]))
 
 
-def test_callers_starting_at_once_share_one_server(store):
+def test_callers_starting_at_once_share_one_lean_server(store):
     starter = (
         "import sys, time\n"
         "from air_magic.tracking import ui\n"
@@ -190,7 +190,13 @@ def test_callers_starting_at_once_share_one_server(store):
     while not mlflow_ui._answers(port):  # up: the keeper has forked and exec'd its server
         assert time.monotonic() < deadline
         time.sleep(0.2)
-    assert len(_keepers_of(paths.embedded_mlflow_dir())) == 1
+    keepers = _keepers_of(paths.embedded_mlflow_dir())
+    assert len(keepers) == 1
+    # Lean (docs/benchmarks.md): the keeper, `mlflow server` and its one web worker; MLflow's job
+    # runner (a huey consumer pool, 8 more processes and ~1.5 GB) is off. Given time to start it.
+    time.sleep(3)
+    tree = [keepers[0], *keepers[0].children(recursive=True)]
+    assert len(tree) <= 3, [" ".join(p.cmdline()[:4]) for p in tree]
 
 
 def _server_up(uri: str) -> tuple[int, dict]:
@@ -288,6 +294,12 @@ def test_the_links_address_follows_jupyterhub_and_the_users_template(monkeypatch
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="starting a process as another user needs root")
+def test_the_servers_job_runner_is_off_unless_the_user_turned_it_on():
+    assert ui_server.server_environment({"A": "1"}) == {"A": "1", ui_server.JOB_EXECUTION_ENV: "false"}
+    wanted = {ui_server.JOB_EXECUTION_ENV: "true"}
+    assert ui_server.server_environment(wanted) == wanted
+
+
 def test_no_automatic_start_where_another_users_processes_run(monkeypatch):
     monkeypatch.delenv(mlflow_ui.AUTO_ENV, raising=False)
     mlflow_ui.other_users.cache_clear()
