@@ -138,18 +138,29 @@ def test_two_runs_at_once_and_a_squatter_on_29500_do_not_collide():
         squatter.close()
 
 
-def _listening_sockets_of_parent():
+def _listening_sockets_of_the_store_and_the_caller():
     import os
 
     import psutil
 
+    port = int(os.environ["MASTER_PORT"])
+    store = {
+        c.laddr.ip
+        for c in psutil.net_connections("inet")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == port
+    }
     parent = psutil.Process(int(os.environ["AIR_MAGIC_CALLER_PID"]))
-    return sorted({c.laddr.ip for c in parent.net_connections() if c.status == psutil.CONN_LISTEN})
+    caller = {c.laddr.ip for c in parent.net_connections() if c.status == psutil.CONN_LISTEN}
+    return sorted(store), sorted(caller)
 
 
-def test_the_only_listening_socket_of_the_caller_is_on_loopback():
-    ips = distributed(num_accelerators=2, display="none")(_listening_sockets_of_parent).distributed()
-    assert ips[0] == ["127.0.0.1"]
+@pytest.mark.parametrize("warm_start", [True, False], ids=["warm", "fresh"])
+def test_the_store_and_the_caller_listen_on_loopback_only(warm_start):
+    # Warm, the starter's fork serves the store (the caller listens on nothing); fresh, the caller does.
+    where = distributed(num_accelerators=2, display="none", warm_start=warm_start)
+    store, caller = where(_listening_sockets_of_the_store_and_the_caller).distributed()[0]
+    assert store == ["127.0.0.1"]
+    assert caller == ([] if warm_start else ["127.0.0.1"])
 
 
 def test_notebook_style_closure_over_a_local_class_travels_by_value():

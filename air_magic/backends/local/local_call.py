@@ -47,7 +47,8 @@ class LocalCall(CallLoop):
         self.ledger.take(0, event)
 
     def start(self) -> bool:
-        self._store = RendezvousStore(self.world)  # may import torch: seconds
+        # Bound now (its port goes in the ranks' environment); served once the starter is known.
+        self._store = RendezvousStore(self.world, serve=False)
         if self.request.timeout is not None:  # which the ranks' time does not pay for
             self.deadline = time.monotonic() + self.request.timeout
         wait = warm.starter_wait_s()
@@ -68,7 +69,10 @@ class LocalCall(CallLoop):
         if self.request.channel is not None:  # a persistent session: its line, before its ranks open it
             self.request.channel.connect(_LocalCells(group))
         try:
-            started = group.start(give_up=lambda: self.stop_requested.is_set() or self._deadline_passed())
+            started = group.start(
+                give_up=lambda: self.stop_requested.is_set() or self._deadline_passed(),
+                before_ranks=self._serve_store,
+            )
         except OSError as exc:
             raise LaunchError(str(exc)) from exc
         if started is None:
@@ -76,6 +80,12 @@ class LocalCall(CallLoop):
         for rank, pid in started:
             self.ledger.started(rank, pid)
         return True
+
+    def _serve_store(self, starter: warm.Starter | None) -> None:
+        """The store's server: a fork of the warm starter, else this process (importing torch)."""
+        assert self._store is not None
+        if starter is None or not self._store.serve_in(starter):
+            self._store.serve_here()
 
     def pump(self, wait_s: float) -> None:
         assert self.group is not None

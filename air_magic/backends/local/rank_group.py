@@ -179,14 +179,20 @@ class RankGroup:
 
     # -- starting ----------------------------------------------------------------------
 
-    def start(self, give_up: Callable[[], bool] = lambda: False) -> list[tuple[int, int]] | None:
+    def start(
+        self,
+        give_up: Callable[[], bool] = lambda: False,
+        before_ranks: Callable[[warm.Starter | None], None] | None = None,
+    ) -> list[tuple[int, int]] | None:
         """Start the ranks: ``[(rank, pid)]``, or None when no rank was started because the wait for
         the warm starter ended with ``give_up()`` true (the call's timeout ran out, or a stop came).
+        ``before_ranks(starter)`` runs once the starter is known (None: fresh ranks), before the
+        first rank starts (the local call serves its rendezvous store there).
         If a rank cannot be started, the ones already started are stopped (their exits reported)
         and the error is raised."""
         lifeline_r, self._lifeline_w = os.pipe()  # we hold the write end: the ranks die with us
         try:
-            return self._start_with(lifeline_r, give_up)
+            return self._start_with(lifeline_r, give_up, before_ranks)
         except BaseException:
             self.stop(0)
             raise
@@ -194,7 +200,12 @@ class RankGroup:
             os.close(lifeline_r)
             self.started = True
 
-    def _start_with(self, lifeline_r: int, give_up: Callable[[], bool]) -> list[tuple[int, int]] | None:
+    def _start_with(
+        self,
+        lifeline_r: int,
+        give_up: Callable[[], bool],
+        before_ranks: Callable[[warm.Starter | None], None] | None,
+    ) -> list[tuple[int, int]] | None:
         spec = self.spec
         cwd = spec.cwd if os.path.isdir(spec.cwd) else os.getcwd()
         plan, gpus = spec.plan, spec.plan.gpus
@@ -231,6 +242,8 @@ class RankGroup:
             starter = self._ready_starter(envs[0], give_up)
             if starter is None and (give_up() or self._stopping.is_set()):
                 return None
+        if before_ranks is not None:
+            before_ranks(starter)
         if starter is not None:
             # Held: not closed by a rebuild or %distributed restart while its forks run this call;
             # released when every rank is reaped. Its exit reports wake the selector as they come.

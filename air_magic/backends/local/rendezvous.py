@@ -1,4 +1,4 @@
-"""The rendezvous store, hosted by the caller on loopback, on a port nobody else has.
+"""The rendezvous store, hosted for the caller on loopback, on a port nobody else has.
 
 torch's default ("rank 0 hosts a TCPStore on MASTER_PORT") races for the port
 between choosing and binding it, collides with stale processes on 29500, and
@@ -6,40 +6,139 @@ listens on every interface. Like torchrun's agent, we bind a socket to
 127.0.0.1 port 0 *before* starting ranks, hand its fd to a ``TCPStore``
 server, and start ranks with ``TORCHELASTIC_USE_AGENT_STORE=True`` so that
 ``init_process_group("env://")`` in every rank connects as a client.
+
+Who runs the ``TCPStore`` server: with a warm starter, a fork of it
+(:meth:`RendezvousStore.serve_in`; the starter has imported torch already, so the
+caller, a kernel or ``air-magic run``, never imports torch at all: about 2 s of CPU
+and 300 MB saved per caller process); otherwise the caller itself
+(:meth:`RendezvousStore.serve_here`, importing torch once per process). Either way
+the store outlives a dead rank, and ends with the call or with the caller.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import os
+import select
+import signal
 import socket
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from air_magic.backends.local.warm import Starter
 
 LOOPBACK = "127.0.0.1"
+HOST_READY_S = 60.0  # a fork with torch makes the store in milliseconds; one importing torch, seconds
+HOST_EXIT_S = 5.0  # after its lifeline closes, the host's exit (milliseconds), then SIGKILL
 
 
 class RendezvousStore:
-    """A TCPStore server for one run (on 127.0.0.1 unless ``host`` says otherwise: the Ray
-    backend binds rank 0's node address); ``close()`` releases it."""
+    """A TCPStore server for one call (on 127.0.0.1 unless ``host`` says otherwise: the Ray
+    backend binds rank 0's node address); ``close()`` releases it.
+
+    ``serve=False``: only the port is bound (ranks that connect wait in its backlog); the
+    caller then calls :meth:`serve_in` or :meth:`serve_here` before starting ranks.
+    """
 
     # torch's own default for a store's waits (30 min): ranks that import for minutes still join.
-    def __init__(self, world_size: int, timeout_s: float = 1800.0, host: str = LOOPBACK):
-        import torch.distributed as dist  # the caller pays torch's import once per process
+    def __init__(
+        self, world_size: int, timeout_s: float = 1800.0, host: str = LOOPBACK, *, serve: bool = True
+    ):
+        self.host = host
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self._listener: socket.socket | None = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._listener.bind((host, 0))
+        self._listener.listen(max(world_size, 8))
+        self.port: int = self._listener.getsockname()[1]
+        self._store: Any = None
+        self._host_pid: int | None = None  # the starter's fork that serves it
+        self._host_lifeline: int | None = None  # the write end: closing it ends the host
+        if serve:
+            self.serve_here()
 
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listener.bind((host, 0))
-        listener.listen(max(world_size, 8))
-        self.port: int = listener.getsockname()[1]
-        self._store: Any = dist.TCPStore(
-            host,
+    def serve_here(self) -> None:
+        """Run the store's server in this process (imports torch: seconds, once per process)."""
+        import torch.distributed as dist
+
+        assert self._listener is not None, "the store is served already"
+        self._store = dist.TCPStore(
+            self.host,
             self.port,
-            world_size,
+            self.world_size,
             True,
-            datetime.timedelta(seconds=timeout_s),
+            datetime.timedelta(seconds=self.timeout_s),
             wait_for_workers=False,
-            master_listen_fd=listener.fileno(),
+            master_listen_fd=self._listener.fileno(),
         )
         # The store owns the fd from here on and closes it when it is destroyed.
-        listener.detach()
+        self._listener.detach()
+        self._listener = None
+
+    def serve_in(self, starter: Starter) -> bool:
+        """Have the warm starter fork the store's host; False (nothing changed) if it could not."""
+        assert self._listener is not None, "the store is served already"
+        lifeline_r, lifeline_w = os.pipe()
+        ready_r, ready_w = os.pipe()
+        pid = None
+        try:
+            fds = [self._listener.fileno(), lifeline_r, ready_w]
+            pid = starter.host_store(self.host, self.port, self.world_size, self.timeout_s, fds)
+            os.close(ready_w)
+            ready_w = -1
+            ok = _read_ready(ready_r, HOST_READY_S) == b"ok"
+        except OSError:
+            ok = False
+        finally:
+            os.close(lifeline_r)
+            os.close(ready_r)
+            if ready_w >= 0:
+                os.close(ready_w)
+        if not ok:  # the caller serves it (the listener is still ours): the host goes
+            os.close(lifeline_w)
+            if pid is not None:
+                _end_host(pid, 0)
+            return False
+        self._host_pid, self._host_lifeline = pid, lifeline_w
+        self._listener.close()  # the host's copy serves it; ours would only keep the port bound
+        self._listener = None
+        return True
 
     def close(self) -> None:
         self._store = None  # the server stops and its socket closes when the store is freed
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        if self._host_lifeline is not None:
+            os.close(self._host_lifeline)  # EOF: the host exits
+            self._host_lifeline = None
+        if self._host_pid is not None:
+            _end_host(self._host_pid, HOST_EXIT_S)
+            self._host_pid = None
+
+
+def _read_ready(fd: int, timeout_s: float) -> bytes:
+    poller = select.poll()  # not select(): the caller may hold more than 1,023 files
+    poller.register(fd, select.POLLIN)
+    if not poller.poll(timeout_s * 1000):
+        return b""
+    return os.read(fd, 16)
+
+
+def _end_host(pid: int, grace_s: float) -> None:
+    """Wait up to ``grace_s`` for the host (the starter's child, not ours) to exit, then kill it.
+
+    Through a pidfd (never a reused pid); the starter reaps it and reports its exit."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:  # gone and reaped already (or no pidfds: the starter kills it with the caller)
+        return
+    try:
+        poller = select.poll()
+        poller.register(pidfd, select.POLLIN)  # readable once the process has exited
+        if not poller.poll(grace_s * 1000):
+            with contextlib.suppress(OSError):
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+    finally:
+        os.close(pidfd)

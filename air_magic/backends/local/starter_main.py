@@ -7,6 +7,9 @@ talks to its caller over one AF_UNIX SOCK_SEQPACKET socket:
 
 - caller -> starter: ``{"op": "spawn", "env", "cwd", "call_dir"}`` with three
   fds (the rank's stdout and stderr pipes, the lifeline's read end);
+  ``{"op": "store", "host", "port", "world_size", "timeout_s"}`` with three fds (a call's
+  rendezvous store's listening socket, its lifeline's read end, its ready pipe): a fork that
+  hosts the store (:func:`_become_store_host`), so the caller need not import torch;
 - starter -> caller: ``{"ready": ...}`` once, ``{"spawned": pid}`` per request,
   ``{"exited": pid, "code": ...}`` for every rank that ends (exit code as
   ``subprocess`` gives it: negative for a signal).
@@ -104,6 +107,8 @@ def main(control_fd: int, preload: list[str]) -> None:
                 return
             request = json.loads(data)
             pid = os.fork()
+            if pid == 0 and request.get("op") == "store":  # never returns: ends with the caller's lifeline
+                _become_store_host(request, fds, sock, wake_r, wake_w)
             if pid == 0:  # never returns: the rank ends in shutdown.end_forked_rank
                 _become_rank(request, fds, sock, wake_r, wake_w, preloaded)
             for fd in fds:
@@ -197,6 +202,51 @@ def _become_rank(
         traceback.print_exc()
         code = 1
     end_forked_rank(code, preloaded)
+
+
+def _become_store_host(
+    request: dict[str, Any], fds: list[int], sock: socket.socket, wake_r: int, wake_w: int
+) -> NoReturn:
+    """Host a call's rendezvous store (backends/local/rendezvous.py) until the caller's lifeline ends.
+
+    The caller bound the listening socket; this fork already has torch, so the caller never
+    imports it for the store. ``fds``: the listening socket, the lifeline's read end, and the
+    pipe on which "ok" says the store is up (its EOF without it: it could not be made).
+    """
+    code = 1
+    try:
+        listener, lifeline_r, ready_w = fds
+        os.setsid()  # out of the caller's and the starter's groups, like a rank
+        signal.set_wakeup_fd(-1)
+        for sig in (signal.SIGCHLD, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the caller ends it, through the lifeline
+        sock.close()
+        os.close(wake_r)
+        os.close(wake_w)
+        import datetime
+
+        import torch.distributed as dist
+
+        store = dist.TCPStore(
+            request["host"],
+            request["port"],
+            request["world_size"],
+            True,
+            datetime.timedelta(seconds=request["timeout_s"]),
+            wait_for_workers=False,
+            master_listen_fd=listener,
+        )
+        os.write(ready_w, b"ok")
+        os.close(ready_w)
+        while os.read(lifeline_r, 4096):  # nothing is written: EOF when the caller closes it, or dies
+            pass
+        code = 0  # the store's server thread and sockets end with the process
+        del store
+    except BaseException:  # noqa: BLE001 - said in the starter's log; the caller hosts the store itself
+        traceback.print_exc()
+        sys.stderr.flush()
+    os._exit(code)
 
 
 def _take_over_process(

@@ -214,17 +214,27 @@ class Starter:
         return self.ready
 
     def spawn(self, env: dict[str, str], cwd: str, call_dir: str, fds: list[int]) -> int:
+        """Fork a rank (``fds``: its stdout and stderr pipes, the lifeline's read end); its pid."""
+        request = {
+            "op": "spawn",
+            "env": env,
+            "cwd": cwd,
+            "call_dir": call_dir,
+            "umask": _current_umask(),
+            "sigint_ignored": sigint_ignored(),
+        }
+        return self._fork(request, fds)
+
+    def host_store(self, host: str, port: int, world_size: int, timeout_s: float, fds: list[int]) -> int:
+        """Fork the host of a rendezvous store (``fds``: its listening socket, its lifeline's read
+        end, its ready pipe; starter_main._become_store_host); its pid."""
+        where = {"host": host, "port": port, "world_size": world_size, "timeout_s": timeout_s}
+        return self._fork({"op": "store", **where}, fds)
+
+    def _fork(self, request: dict[str, Any], fds: list[int]) -> int:
         with self._lock:
             if self.broken:
                 raise OSError("the warm starter was closed")
-            request = {
-                "op": "spawn",
-                "env": env,
-                "cwd": cwd,
-                "call_dir": call_dir,
-                "umask": _current_umask(),
-                "sigint_ignored": sigint_ignored(),
-            }
             socket.send_fds(self.sock, [json.dumps(request).encode()], fds)
             # A ready starter forks in milliseconds; one that takes this long is stuck, and the
             # rank starts fresh instead (the caller's thread must not hang on a broken starter).
