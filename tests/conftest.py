@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import os
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -25,6 +26,13 @@ from typing import Any
 
 import psutil
 import pytest
+
+# Where PYTHONDONTWRITEBYTECODE is set (CI, this machine), every pytest process would rewrite and
+# compile all 60 test modules again (4-7 s of CPU each: two xdist workers, then the serial part).
+# Cached while pytest collects, in this process only (never in the ranks or kernels it starts);
+# put back once collection is over (pytest_collection_finish below).
+_DONT_WRITE_BYTECODE = sys.dont_write_bytecode
+sys.dont_write_bytecode = False
 
 pytest.register_assert_rewrite("helpers")  # their asserts say what they compared, as a test's do
 from helpers.paths import TESTS  # noqa: E402
@@ -292,6 +300,10 @@ def _stop_ray_cluster() -> None:
             break  # the next test's leftover check names them
         reap_zombies()
         time.sleep(0.1)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    sys.dont_write_bytecode = _DONT_WRITE_BYTECODE  # what the tests import from now on: as the user set
 
 
 @pytest.hookimpl(trylast=True)  # after the test's own fixtures are torn down

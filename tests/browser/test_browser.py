@@ -21,11 +21,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from helpers.modules import lazy, skip_unless_installed
 
 CHROMIUM = "/usr/bin/chromium"
-pytest.importorskip("jupyterlab")
-pytest.importorskip("tqdm")
-playwright_api = pytest.importorskip("playwright.sync_api")
+pytestmark = skip_unless_installed("jupyterlab", "tqdm", "playwright")
+playwright_api = lazy("playwright.sync_api")
 if not os.path.exists(CHROMIUM):
     pytest.skip("Debian's chromium is not installed (scripts/test.sh installs it)", allow_module_level=True)
 

@@ -15,11 +15,11 @@ import time
 
 import psutil
 import pytest
+from helpers.modules import lazy, skip_unless_installed
 from helpers.ranks import mlflow_status
 
-nbformat = pytest.importorskip("nbformat")
-pytest.importorskip("nbclient")
-pytest.importorskip("ipywidgets")
+pytestmark = skip_unless_installed("nbformat", "nbclient", "ipywidgets")
+nbformat = lazy("nbformat")
 from helpers.kernel import Kernel, notebook_client  # noqa: E402
 
 from air_magic.calls.history import RunInfo  # noqa: E402

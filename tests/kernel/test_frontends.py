@@ -11,14 +11,13 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers.modules import lazy, skip_unless_installed
 
 import air_magic
 from air_magic.launch.failures import CPU_MODE_HINT
 
-nbformat = pytest.importorskip("nbformat")
-pytest.importorskip("nbclient")
-pytest.importorskip("nbconvert")
-pytest.importorskip("ipywidgets")
+pytestmark = skip_unless_installed("nbformat", "nbclient", "nbconvert", "ipywidgets")
+nbformat = lazy("nbformat")
 from helpers.kernel import notebook_client  # noqa: E402
 
 CELLS = [

@@ -22,12 +22,13 @@ import urllib.request
 
 import psutil
 import pytest
+from helpers.modules import skip_unless_installed
 
 from air_magic import paths, private_files
 from air_magic.tracking import ui as mlflow_ui
 from air_magic.tracking import ui_server
 
-pytest.importorskip("mlflow")
+pytestmark = skip_unless_installed("mlflow")
 fault = pytest.mark.fault
 
 CALL = (

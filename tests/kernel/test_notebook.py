@@ -11,10 +11,10 @@ import time
 
 import psutil
 import pytest
+from helpers.modules import lazy, skip_unless_installed
 
-nbformat = pytest.importorskip("nbformat")
-pytest.importorskip("nbclient")
-pytest.importorskip("ipywidgets")
+pytestmark = skip_unless_installed("nbformat", "nbclient", "ipywidgets")
+nbformat = lazy("nbformat")
 from helpers.kernel import EXAMPLES, Kernel, notebook_client  # noqa: E402
 
 WIDGET_STATE = "application/vnd.jupyter.widget-state+json"

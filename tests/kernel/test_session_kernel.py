@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers.modules import lazy, skip_unless_installed
 from helpers.procs import gone_within
 
-nbformat = pytest.importorskip("nbformat")
-pytest.importorskip("nbclient")
-pytest.importorskip("ipywidgets")
+pytestmark = skip_unless_installed("nbformat", "nbclient", "ipywidgets")
+nbformat = lazy("nbformat")
 from helpers.kernel import Kernel, notebook_client  # noqa: E402
 
 fault = pytest.mark.fault
