@@ -18,8 +18,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from jupyter_client.manager import start_new_kernel
-
 from helpers.paths import EXAMPLES
 
 RESTART_WAIT_S = 60.0  # a restart is a kill and a new kernel's start (a few s; more on a busy 2-core machine)
@@ -48,6 +46,8 @@ class Kernel:
             options["cwd"] = str(cwd)
         if env is not None:
             options["env"] = env
+        from jupyter_client.manager import start_new_kernel  # here: collection stays cheap
+
         self.km, self.kc = start_new_kernel(kernel_name="python3", **options)
         self._restart: threading.Thread | None = None
         self._restart_error: Exception | None = None

@@ -294,13 +294,13 @@ def test_the_links_address_follows_jupyterhub_and_the_users_template(monkeypatch
     assert mlflow_ui.browser_base(5123) == "https://hub.example/user/ada/proxy/5123"
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="starting a process as another user needs root")
 def test_the_servers_job_runner_is_off_unless_the_user_turned_it_on():
     assert ui_server.server_environment({"A": "1"}) == {"A": "1", ui_server.JOB_EXECUTION_ENV: "false"}
     wanted = {ui_server.JOB_EXECUTION_ENV: "true"}
     assert ui_server.server_environment(wanted) == wanted
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="starting a process as another user needs root")
 def test_no_automatic_start_where_another_users_processes_run(monkeypatch):
     monkeypatch.delenv(mlflow_ui.AUTO_ENV, raising=False)
     mlflow_ui.other_users.cache_clear()

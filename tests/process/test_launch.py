@@ -434,3 +434,34 @@ def test_a_caller_holding_1200_open_files_launches_warm_and_fresh(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "ranks True 4" in done.stdout and "ranks False 4" in done.stdout
     assert int(done.stdout.split("limit ")[1]) > 1300  # raised for the ranks' pipes, pidfds and logs
+
+
+def test_a_store_host_that_fails_leaves_nothing_and_the_caller_serves_the_store():
+    from air_magic.backends.local import warm
+    from air_magic.backends.local.rendezvous import RendezvousStore
+
+    starter = warm.get_starter(wait_s=120)
+    assert starter is not None
+    store = RendezvousStore(2, serve=False)
+    try:
+        store.timeout_s = float("inf")  # the host cannot make it (timedelta overflows): it exits
+        assert not store.serve_in(starter)
+        store.timeout_s = 60.0
+        store.serve_here()  # the listener was still ours
+        import torch.distributed as dist
+
+        client = dist.TCPStore("127.0.0.1", store.port, 2, False, wait_for_workers=False)
+        client.set("k", "v")
+        assert client.get("k") == b"v"
+    finally:
+        store.close()
+    hosted = RendezvousStore(2, serve=False)
+    try:
+        assert hosted.serve_in(starter)
+        import torch.distributed as dist
+
+        client = dist.TCPStore("127.0.0.1", hosted.port, 2, False, wait_for_workers=False)
+        client.set("k", "w")
+        assert client.get("k") == b"w"
+    finally:
+        hosted.close()  # its host ends (no_leftovers checks)

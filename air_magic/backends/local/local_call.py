@@ -18,7 +18,7 @@ import time
 from air_magic.backends.call_loop import CallLoop
 from air_magic.backends.local import warm
 from air_magic.backends.local.rank_group import GroupSpec, RankGroup
-from air_magic.backends.local.rendezvous import LOOPBACK, RendezvousStore
+from air_magic.backends.local.rendezvous import HOST_READY_S, LOOPBACK, RendezvousStore
 from air_magic.errors import DistributedTimeoutError, LaunchError
 from air_magic.launch.request import LaunchRequest, StopRequest
 from air_magic.protocol.events import EventBus
@@ -84,7 +84,10 @@ class LocalCall(CallLoop):
     def _serve_store(self, starter: warm.Starter | None) -> None:
         """The store's server: a fork of the warm starter, else this process (importing torch)."""
         assert self._store is not None
-        if starter is None or not self._store.serve_in(starter):
+        wait = HOST_READY_S
+        if self.deadline is not None:  # no longer than the call's timeout
+            wait = max(0.0, min(wait, self.deadline - time.monotonic()))
+        if starter is None or not self._store.serve_in(starter, wait):
             self._store.serve_here()
 
     def pump(self, wait_s: float) -> None:

@@ -242,13 +242,13 @@ class RankGroup:
             starter = self._ready_starter(envs[0], give_up)
             if starter is None and (give_up() or self._stopping.is_set()):
                 return None
-        if before_ranks is not None:
-            before_ranks(starter)
         if starter is not None:
             # Held: not closed by a rebuild or %distributed restart while its forks run this call;
             # released when every rank is reaped. Its exit reports wake the selector as they come.
             self._held_starter = starter
             self.selector.register(starter, selectors.EVENT_READ, ("starter", None))
+        if before_ranks is not None:
+            before_ranks(starter)
         started: list[tuple[int, int]] = []
         for rank, env in zip(spec.ranks, envs, strict=True):
             with self._stop_lock:  # a stop either sees this rank, or comes before it is started

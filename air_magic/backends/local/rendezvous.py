@@ -53,7 +53,7 @@ class RendezvousStore:
         self._listener.listen(max(world_size, 8))
         self.port: int = self._listener.getsockname()[1]
         self._store: Any = None
-        self._host_pid: int | None = None  # the starter's fork that serves it
+        self._host_pidfd: int | None = None  # the starter's fork that serves it
         self._host_lifeline: int | None = None  # the write end: closing it ends the host
         if serve:
             self.serve_here()
@@ -76,31 +76,40 @@ class RendezvousStore:
         self._listener.detach()
         self._listener = None
 
-    def serve_in(self, starter: Starter) -> bool:
-        """Have the warm starter fork the store's host; False (nothing changed) if it could not."""
+    def serve_in(self, starter: Starter, wait_s: float = HOST_READY_S) -> bool:
+        """Have the warm starter fork the store's host, waiting up to ``wait_s`` for it to serve;
+        False (nothing changed: the listener is still ours) if it could not."""
         assert self._listener is not None, "the store is served already"
         lifeline_r, lifeline_w = os.pipe()
         ready_r, ready_w = os.pipe()
-        pid = None
+        pidfd = None
         try:
             fds = [self._listener.fileno(), lifeline_r, ready_w]
             pid = starter.host_store(self.host, self.port, self.world_size, self.timeout_s, fds)
+            # Opened before its lifeline can close: the host cannot exit (be reaped, its pid
+            # reused) while we hold the pipe, so this pidfd is the host's.
+            pidfd = os.pidfd_open(pid)
             os.close(ready_w)
             ready_w = -1
-            ok = _read_ready(ready_r, HOST_READY_S) == b"ok"
+            served = _read_ready(ready_r, wait_s) == b"ok"
         except OSError:
-            ok = False
+            served = False
+        except BaseException:  # a Ctrl-C in the wait: the host goes, then the interrupt goes on
+            os.close(lifeline_w)
+            if pidfd is not None:
+                _end_host(pidfd, 0)
+            raise
         finally:
             os.close(lifeline_r)
             os.close(ready_r)
             if ready_w >= 0:
                 os.close(ready_w)
-        if not ok:  # the caller serves it (the listener is still ours): the host goes
+        if not served:
             os.close(lifeline_w)
-            if pid is not None:
-                _end_host(pid, 0)
+            if pidfd is not None:
+                _end_host(pidfd, 0)
             return False
-        self._host_pid, self._host_lifeline = pid, lifeline_w
+        self._host_pidfd, self._host_lifeline = pidfd, lifeline_w
         self._listener.close()  # the host's copy serves it; ours would only keep the port bound
         self._listener = None
         return True
@@ -113,9 +122,9 @@ class RendezvousStore:
         if self._host_lifeline is not None:
             os.close(self._host_lifeline)  # EOF: the host exits
             self._host_lifeline = None
-        if self._host_pid is not None:
-            _end_host(self._host_pid, HOST_EXIT_S)
-            self._host_pid = None
+        if self._host_pidfd is not None:
+            _end_host(self._host_pidfd, HOST_EXIT_S)
+            self._host_pidfd = None
 
 
 def _read_ready(fd: int, timeout_s: float) -> bytes:
@@ -126,14 +135,9 @@ def _read_ready(fd: int, timeout_s: float) -> bytes:
     return os.read(fd, 16)
 
 
-def _end_host(pid: int, grace_s: float) -> None:
-    """Wait up to ``grace_s`` for the host (the starter's child, not ours) to exit, then kill it.
-
-    Through a pidfd (never a reused pid); the starter reaps it and reports its exit."""
-    try:
-        pidfd = os.pidfd_open(pid)
-    except OSError:  # gone and reaped already (or no pidfds: the starter kills it with the caller)
-        return
+def _end_host(pidfd: int, grace_s: float) -> None:
+    """Wait up to ``grace_s`` for the host (the starter's child, not ours: the starter reaps it and
+    reports its exit) to exit, then SIGKILL it; closes ``pidfd``."""
     try:
         poller = select.poll()
         poller.register(pidfd, select.POLLIN)  # readable once the process has exited

@@ -11,7 +11,7 @@ talks to its caller over one AF_UNIX SOCK_SEQPACKET socket:
   rendezvous store's listening socket, its lifeline's read end, its ready pipe): a fork that
   hosts the store (:func:`_become_store_host`), so the caller need not import torch;
 - starter -> caller: ``{"ready": ...}`` once, ``{"spawned": pid}`` per request,
-  ``{"exited": pid, "code": ...}`` for every rank that ends (exit code as
+  ``{"exited": pid, "code": ...}`` for every rank (and store host) that ends (exit code as
   ``subprocess`` gives it: negative for a signal).
 
 When the caller goes away (EOF), the starter kills what it started and exits.

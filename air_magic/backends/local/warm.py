@@ -235,22 +235,31 @@ class Starter:
         with self._lock:
             if self.broken:
                 raise OSError("the warm starter was closed")
-            socket.send_fds(self.sock, [json.dumps(request).encode()], fds)
-            # A ready starter forks in milliseconds; one that takes this long is stuck, and the
-            # rank starts fresh instead (the caller's thread must not hang on a broken starter).
-            deadline = time.monotonic() + SPAWN_ANSWER_S
-            while True:
-                # Exit reports of ranks started earlier can come first: they are stored, not answers.
-                reply = self._receive(max(0.0, deadline - time.monotonic()))
-                if reply is None:
+            try:
+                return self._answer_to(request, fds)
+            except BaseException:
+                # Sent but not answered (a Ctrl-C in the wait): its answer would be read as the
+                # next request's. Broken: the next call gets a new starter.
+                self.broken = True
+                raise
+
+    def _answer_to(self, request: dict[str, Any], fds: list[int]) -> int:
+        socket.send_fds(self.sock, [json.dumps(request).encode()], fds)
+        # A ready starter forks in milliseconds; one that takes this long is stuck, and the
+        # rank starts fresh instead (the caller's thread must not hang on a broken starter).
+        deadline = time.monotonic() + SPAWN_ANSWER_S
+        while True:
+            # Exit reports of ranks started earlier can come first: they are stored, not answers.
+            reply = self._receive(max(0.0, deadline - time.monotonic()))
+            if reply is None:
+                self.broken = True
+                raise OSError("the warm starter did not answer")
+            pid = reply.get("spawned")
+            if pid is not None:
+                if type(pid) is not int or pid <= 1 or pid == os.getpid():
                     self.broken = True
-                    raise OSError("the warm starter did not answer")
-                pid = reply.get("spawned")
-                if pid is not None:
-                    if type(pid) is not int or pid <= 1 or pid == os.getpid():
-                        self.broken = True
-                        raise OSError(f"the warm starter answered with an impossible pid {pid!r}")
-                    return pid
+                    raise OSError(f"the warm starter answered with an impossible pid {pid!r}")
+                return pid
 
     def poll(self, pid: int) -> int | None:
         with self._lock:
@@ -493,7 +502,9 @@ def _retire(starter: Starter) -> None:
     Closing a starter kills what it forked: a background run's ranks must not go with it.
     Called with ``_lock`` held.
     """
-    if starter.users > 0 and starter.alive():
+    # Still running (even if broken): what it forked for a running call (ranks, the call's
+    # rendezvous store) stays until that call releases it.
+    if starter.users > 0 and starter.proc.poll() is None:
         _retired.append(starter)
     else:
         starter.close()
