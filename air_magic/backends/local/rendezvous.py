@@ -60,17 +60,9 @@ class RendezvousStore:
 
     def serve_here(self) -> None:
         """Run the store's server in this process (imports torch: seconds, once per process)."""
-        import torch.distributed as dist
-
         assert self._listener is not None, "the store is served already"
-        self._store = dist.TCPStore(
-            self.host,
-            self.port,
-            self.world_size,
-            True,
-            datetime.timedelta(seconds=self.timeout_s),
-            wait_for_workers=False,
-            master_listen_fd=self._listener.fileno(),
+        self._store = tcp_store_server(
+            self.host, self.port, self.world_size, self.timeout_s, self._listener.fileno()
         )
         # The store owns the fd from here on and closes it when it is destroyed.
         self._listener.detach()
@@ -83,6 +75,7 @@ class RendezvousStore:
         lifeline_r, lifeline_w = os.pipe()
         ready_r, ready_w = os.pipe()
         pidfd = None
+        served = False
         try:
             fds = [self._listener.fileno(), lifeline_r, ready_w]
             pid = starter.host_store(self.host, self.port, self.world_size, self.timeout_s, fds)
@@ -91,23 +84,19 @@ class RendezvousStore:
             pidfd = os.pidfd_open(pid)
             os.close(ready_w)
             ready_w = -1
-            served = _read_ready(ready_r, wait_s) == b"ok"
+            served = _readable(ready_r, wait_s) and os.read(ready_r, 16) == b"ok"
         except OSError:
-            served = False
-        except BaseException:  # a Ctrl-C in the wait: the host goes, then the interrupt goes on
-            os.close(lifeline_w)
-            if pidfd is not None:
-                _end_host(pidfd, 0)
-            raise
+            pass
         finally:
             os.close(lifeline_r)
             os.close(ready_r)
             if ready_w >= 0:
                 os.close(ready_w)
+            if not served:  # it failed, timed out, or a Ctrl-C came: the host goes
+                os.close(lifeline_w)
+                if pidfd is not None:
+                    _end_host(pidfd, 0)
         if not served:
-            os.close(lifeline_w)
-            if pidfd is not None:
-                _end_host(pidfd, 0)
             return False
         self._host_pidfd, self._host_lifeline = pidfd, lifeline_w
         self._listener.close()  # the host's copy serves it; ours would only keep the port bound
@@ -127,21 +116,34 @@ class RendezvousStore:
             self._host_pidfd = None
 
 
-def _read_ready(fd: int, timeout_s: float) -> bytes:
-    poller = select.poll()  # not select(): the caller may hold more than 1,023 files
+def tcp_store_server(host: str, port: int, world_size: int, timeout_s: float, listen_fd: int) -> Any:
+    """torch's ``TCPStore`` server on an already listening socket (here, or in the starter's fork)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(
+        host,
+        port,
+        world_size,
+        True,
+        datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+        master_listen_fd=listen_fd,
+    )
+
+
+def _readable(fd: int, timeout_s: float) -> bool:
+    """``fd`` is readable within ``timeout_s`` (a pipe with data or at EOF; a pidfd whose process
+    has exited). poll, not select(): the caller may hold more than 1,023 files."""
+    poller = select.poll()
     poller.register(fd, select.POLLIN)
-    if not poller.poll(timeout_s * 1000):
-        return b""
-    return os.read(fd, 16)
+    return bool(poller.poll(timeout_s * 1000))
 
 
 def _end_host(pidfd: int, grace_s: float) -> None:
     """Wait up to ``grace_s`` for the host (the starter's child, not ours: the starter reaps it and
     reports its exit) to exit, then SIGKILL it; closes ``pidfd``."""
     try:
-        poller = select.poll()
-        poller.register(pidfd, select.POLLIN)  # readable once the process has exited
-        if not poller.poll(grace_s * 1000):
+        if not _readable(pidfd, grace_s):
             with contextlib.suppress(OSError):
                 signal.pidfd_send_signal(pidfd, signal.SIGKILL)
     finally:

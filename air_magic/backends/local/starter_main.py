@@ -216,26 +216,11 @@ def _become_store_host(
     code = 1
     try:
         listener, lifeline_r, ready_w = fds
-        os.setsid()  # out of the caller's and the starter's groups, like a rank
-        signal.set_wakeup_fd(-1)
-        for sig in (signal.SIGCHLD, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the caller ends it, through the lifeline
-        sock.close()
-        os.close(wake_r)
-        os.close(wake_w)
-        import datetime
+        _leave_starter(sock, wake_r, wake_w, signal.SIG_IGN)  # the caller ends it, by its lifeline
+        from air_magic.backends.local.rendezvous import tcp_store_server
 
-        import torch.distributed as dist
-
-        store = dist.TCPStore(
-            request["host"],
-            request["port"],
-            request["world_size"],
-            True,
-            datetime.timedelta(seconds=request["timeout_s"]),
-            wait_for_workers=False,
-            master_listen_fd=listener,
+        store = tcp_store_server(
+            request["host"], request["port"], request["world_size"], request["timeout_s"], listener
         )
         os.write(ready_w, b"ok")
         os.close(ready_w)
@@ -249,21 +234,27 @@ def _become_store_host(
     os._exit(code)
 
 
+def _leave_starter(sock: socket.socket, wake_r: int, wake_w: int, on_sigint: Any) -> None:
+    """What every fork of the starter does first: a session of its own (a rank's teardown signals
+    its group), default signal handling, none of the starter's descriptors."""
+    os.setsid()
+    signal.set_wakeup_fd(-1)
+    for sig in (signal.SIGCHLD, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, on_sigint)
+    sock.close()
+    os.close(wake_r)
+    os.close(wake_w)
+
+
 def _take_over_process(
     request: dict[str, Any], fds: list[int], sock: socket.socket, wake_r: int, wake_w: int
 ) -> None:
     """Turn this fork of the starter into the process a fresh rank would be."""
-    os.setsid()  # its own session and process group, like a fresh rank
-    signal.set_wakeup_fd(-1)
-    for sig in (signal.SIGCHLD, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_DFL)
     # A fresh interpreter raises KeyboardInterrupt on SIGINT, unless it was started with
     # SIGINT ignored (exec keeps an ignored signal ignored): the caller says which.
     ignored = request.get("sigint_ignored", False)
-    signal.signal(signal.SIGINT, signal.SIG_IGN if ignored else signal.default_int_handler)
-    sock.close()
-    os.close(wake_r)
-    os.close(wake_w)
+    _leave_starter(sock, wake_r, wake_w, signal.SIG_IGN if ignored else signal.default_int_handler)
     out_w, err_w, lifeline_r = fds
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
