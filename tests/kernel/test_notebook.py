@@ -7,6 +7,7 @@ the tabs' final contents can be read back from the notebook's metadata.
 from __future__ import annotations
 
 import os
+import re
 import time
 
 import psutil
@@ -60,11 +61,12 @@ def test_interrupting_the_kernel_stops_every_rank_and_the_kernel_stays_usable(ke
 
     def watch(msg):
         if msg["msg_type"] == "stream":
-            for line in msg["content"]["text"].splitlines():
-                if "pid=" in line:
-                    pids.append(int(line.split("pid=")[1]))
-                    if len(pids) == 2:
-                        kernel.km.interrupt_kernel()
+            # Only the ranks' own lines: a rank's traceback after the interrupt quotes the cell's
+            # source ("pid={os.getpid()}") as context.
+            for found in re.finditer(r"pid=(\d+)$", msg["content"]["text"], re.MULTILINE):
+                pids.append(int(found.group(1)))
+                if len(pids) == 2:
+                    kernel.km.interrupt_kernel()
 
     cell = (
         "%%distributed -n 2 --display text\n"

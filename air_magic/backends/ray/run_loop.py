@@ -151,9 +151,12 @@ class RayCall(CallLoop):
 
     def start_timeout_error(self) -> BaseException:
         timeout = self.request.timeout or 0
+        waiting = sorted(set(self.starts.values()))
+        nodes = ", ".join(f"node {n} ({self.pool.nodes[n]['ip']})" for n in waiting) or "no node"
+        why = "a warm starter still importing" if self.warm_start else "its agent still starting them"
         return DistributedTimeoutError(
             f"timed out after {timeout:g} s (timeout={timeout:g}) before the ranks started on the Ray "
-            "cluster (the nodes' warm starters were still importing). No rank ran.",
+            f"cluster; waiting for: {nodes} ({why}). No rank ran.",
             still_running=[],
             log_dir=self.log_dir,
         )
