@@ -59,6 +59,35 @@ TIERS = {
 _UI_FILES = ("test_mlflow_ui.py", "test_browser.py")
 
 
+def shared_worker_group(nodeid: str) -> str | None:
+    """The group of tests that must run on one xdist worker that this test belongs to, from its id.
+
+    From the id, not from marks: the scheduler (pytest_xdist_make_scheduler) sees only ids, and
+    pytest-xdist's own loadgroup passes marks by appending "@group" to a test's id, which pytest
+    9.2 ignores (pytest-xdist#1386: every group was silently spread over the workers, so each
+    worker started a Ray cluster of its own)."""
+    path = nodeid.split("::", 1)[0]
+    if path.startswith("tests/ray_cluster/") or "[ray-" in nodeid:  # the contract's Ray backends
+        return "ray"
+    if Path(path).name in _UI_FILES:
+        return "ui"
+    return None
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """--dist loadgroup with the groups of ``shared_worker_group``. xdist sends the biggest unit
+    first (--loadscope-reorder): one worker starts on the Ray group, the other on the UI group."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class SharedWorkerGroups(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return shared_worker_group(nodeid) or nodeid
+
+    return SharedWorkerGroups(config, log)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
@@ -80,8 +109,6 @@ def tier_of(item: pytest.Item) -> str | None:
     return TIERS.get(parts[0]) if len(parts) > 1 else None
 
 
-# tryfirst: pytest-xdist reads the xdist_group marks in its own hook, which would otherwise run first.
-@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Each test is marked with its kind; the tests on the Ray cluster run last, in their files' order.
 
@@ -91,12 +118,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         tier = tier_of(item)
         if tier is not None:
             item.add_marker(tier)
-        if tier == "ray" or _on_the_ray_cluster(item):  # also Ray of its own: /tmp/ray, its ports
-            if tier != "ray":
-                item.add_marker("ray")
-            item.add_marker(pytest.mark.xdist_group("ray"))
-        elif item.path.name in _UI_FILES:
-            item.add_marker(pytest.mark.xdist_group("ui"))
+        group = shared_worker_group(item.nodeid)
+        if _on_the_ray_cluster(item) and group != "ray":
+            raise pytest.UsageError(f"{item.nodeid} uses the Ray cluster: put it in tests/ray_cluster/")
+        if group == "ray" and tier != "ray":  # also Ray of its own: /tmp/ray, its ports
+            item.add_marker("ray")
     items.sort(key=_on_the_ray_cluster)  # stable: False (the rest) first, each part in its order
 
 

@@ -18,6 +18,7 @@ caller's own readings (when a node was taken for lost).
 from __future__ import annotations
 
 import os
+import signal
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -79,16 +80,27 @@ class RankRecord:
         return self.ended or self.lost is not None or self.never_started
 
 
-def classify_exit(request: LaunchRequest, r: RankRecord, teardown_at: float | None) -> tuple[RankState, str]:
+def classify_exit(
+    request: LaunchRequest, r: RankRecord, teardown_at: float | None, sigkill_from: float | None = None
+) -> tuple[RankState, str]:
     """How a rank that exited ended, and the words for it: the one rule of both backends.
 
-    ``teardown_at``: when its node began stopping the ranks (its own clock; None if it had not).
-    A rank that ended before that ended on its own; after it, it was stopped by us, unless its own
-    exception says otherwise.
+    ``teardown_at``: when its node began stopping the ranks (its own clock; None if it had not);
+    ``sigkill_from``: the earliest moment its node could SIGKILL it (the teardown plus its grace).
+    A rank that ended before the teardown ended on its own; after it, it was stopped by us, unless
+    its own exception says otherwise, or it was SIGKILLed before we could have: the OOM killer or a
+    ``kill -9`` whose death was seen late (a busy machine: its peers' "connection reset" came first).
     """
     if rank_succeeded(request, r.exit_code, r.returned):
         return RankState.SUCCEEDED, "returned"
-    if teardown_at is None or (r.exit_time is not None and r.exit_time < teardown_at):
+    killed_first = (
+        r.exit_code == -signal.SIGKILL
+        and not r.status_lost
+        and sigkill_from is not None
+        and r.exit_time is not None
+        and r.exit_time < sigkill_from
+    )
+    if teardown_at is None or (r.exit_time is not None and r.exit_time < teardown_at) or killed_first:
         code = None if r.status_lost else r.exit_code
         if r.error is not None and not (code is not None and code > 1):  # a script's sys.exit(N) says N
             return RankState.FAILED, "raised an exception"
@@ -195,7 +207,7 @@ class CallLedger:
         r.result, r.returned = event.result, r.returned or event.returned or event.result is not None
         if event.error is not None:
             r.error = event.error
-        r.state, reason = classify_exit(self.request, r, event.teardown_at)
+        r.state, reason = classify_exit(self.request, r, event.teardown_at, event.sigkill_from)
         self.bus.emit(RankExited(rank=r.rank, state=r.state, exit_code=r.exit_code, reason=reason))
 
     def begin_teardown(self) -> None:

@@ -47,7 +47,9 @@ class Exited:
     ``code``: its exit status (negative: the signal), None when lost with the
     warm starter; ``when``: first seen gone; ``result``: its pickled value when it
     exited 0 having written one; ``error``: its error record, if any;
-    ``teardown_at``: when the group began stopping its ranks (None: it had not).
+    ``teardown_at``: when the group began stopping its ranks (None: it had not);
+    ``sigkill_from``: the earliest moment the group could SIGKILL a rank (the teardown plus its
+    grace; None: not stopping), so that a rank SIGKILLed before it is known to have died on its own.
     """
 
     rank: int
@@ -58,6 +60,7 @@ class Exited:
     error: bytes | None
     status_lost: bool
     teardown_at: float | None
+    sigkill_from: float | None = None
 
 
 @dataclass(frozen=True)

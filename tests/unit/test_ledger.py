@@ -85,6 +85,7 @@ class ScriptedCall(CallLoop):
             node_names=[f"node {i}" for i in range(len(per_node))],
         )
         self.script = list(script)
+        self.seen_in_teardown = kw.pop("seen_in_teardown", {})  # rank -> exit code seen after it began
         self.stops: list[tuple[float, int]] = []
         self.teardown_at: float | None = None
 
@@ -112,7 +113,9 @@ class ScriptedCall(CallLoop):
         self.teardown_at = now = time.monotonic()
         for r in self.ledger.records:
             if not r.exited:
-                self.ledger.take(r.node, exited(r.rank, -signal.SIGTERM, now + 0.01, teardown_at=now))
+                code = self.seen_in_teardown.get(r.rank, -signal.SIGTERM)
+                when = {"teardown_at": now, "sigkill_from": now + grace_s}
+                self.ledger.take(r.node, exited(r.rank, code, now + 0.01, **when))
 
     def stacks(self) -> dict[int, str]:
         return {r: f"stack of rank {r}" for r in self.ledger.running()}
@@ -171,6 +174,22 @@ def test_a_collateral_error_stamped_first_is_not_the_root_cause():
     assert [f[0] for f in result.error.air_magic_failures] == [1, 0]
 
 
+def test_a_rank_sigkilled_but_seen_dead_only_in_the_teardown_is_the_root_cause():
+    # Rank 1 was SIGKILLed; its peer's "connection reset" came in first, and its death was seen
+    # only after the teardown began (a busy machine), before its grace was over: not our SIGKILL.
+    reset = RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer")
+    script = [(0, Raised(2, record(2, 5.0, reset))), (0, exited(2, 1, 5.1, error=record(2, 5.0, reset)))]
+    call = ScriptedCall(request(3), script, seen_in_teardown={1: -signal.SIGKILL})
+    result = call.execute()
+    assert isinstance(result.error, RankFailedError) and call.ledger.failed_rank == 1, result.error
+    assert "killed by SIGKILL" in str(result.error)
+    assert call.recorder.exits() == {
+        2: (RankState.FAILED, "raised an exception"),
+        1: (RankState.FAILED, "killed by SIGKILL"),
+        0: (RankState.KILLED, "stopped by air_magic"),
+    }
+
+
 def test_a_sigkill_seen_late_still_comes_before_the_error_it_caused():
     gloo = serialization.loads(record(0, 10.0, RuntimeError("Connection reset by peer")))
     own = serialization.loads(record(2, 10.2, DivergedError("oom in the loader")))
@@ -206,6 +225,14 @@ def test_exits_after_the_teardown_are_classified_by_their_record():
         assert classify_exit(req, r, teardown_at=10.0) == expected, name
     before = RankRecord(0, exit_code=-signal.SIGKILL, exit_time=5.0)
     assert classify_exit(req, before, teardown_at=9.9) == (RankState.FAILED, "killed by SIGKILL")
+    # SIGKILLed, seen only once the teardown began (a busy machine) but before its grace was over:
+    # not ours (we SIGKILL after the grace), so it died on its own; after the grace, it was ours.
+    seen_late = RankRecord(0, exit_code=-signal.SIGKILL, exit_time=10.2)
+    assert classify_exit(req, seen_late, 10.0, sigkill_from=13.0) == (RankState.FAILED, "killed by SIGKILL")
+    after_grace = RankRecord(0, exit_code=-signal.SIGKILL, exit_time=13.1)
+    stopped = (RankState.KILLED, "stopped by air_magic")
+    assert classify_exit(req, after_grace, 10.0, sigkill_from=13.0) == stopped
+    assert classify_exit(req, seen_late, 10.0) == stopped  # its grace unknown
     assert classify_exit(req, RankRecord(0, exit_code=3), None) == (RankState.FAILED, "exited with status 3")
     script_exit = RankRecord(0, exit_code=3, error=record(0, 1.0, SystemExit(3)))  # a script's sys.exit(3)
     assert classify_exit(req, script_exit, None) == (RankState.FAILED, "exited with status 3")

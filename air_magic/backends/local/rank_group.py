@@ -148,6 +148,7 @@ class RankGroup:
         self.started = False  # the start is over (every rank started, or it ended early)
         self.finished = False  # every rank reaped and its output read
         self.teardown_at: float | None = None  # when the first stop of the ranks began
+        self.sigkill_from: float | None = None  # the earliest moment a stop may SIGKILL a rank
         self.ranks_ignore_sigint = False
         self._lifeline_w: int | None = None
         self._held_starter: warm.Starter | None = None
@@ -435,7 +436,17 @@ class RankGroup:
         returned = result is not None or os.path.exists(result_path)
         error = wire.read_bytes(wire.error_path(self.call_dir, r.rank))
         self.emit(
-            Exited(r.rank, r.exit_code, r.exited_at, result, returned, error, r.status_lost, self.teardown_at)
+            Exited(
+                r.rank,
+                r.exit_code,
+                r.exited_at,
+                result,
+                returned,
+                error,
+                r.status_lost,
+                self.teardown_at,
+                self.sigkill_from,
+            )
         )
 
     def _ship_metrics(self) -> None:
@@ -473,8 +484,10 @@ class RankGroup:
             ask = signal.SIGTERM
         self._stopping.set()
         with self._stop_lock:
+            now = time.monotonic()
             if self.teardown_at is None:
-                self.teardown_at = time.monotonic()
+                self.teardown_at = now
+            self._may_sigkill_from(now + grace_s)
             # Every rank, also those that ended: their process groups may hold what they started.
             procs = [r.proc for r in self.ranks]
             in_caller = self._in_caller
@@ -490,6 +503,7 @@ class RankGroup:
                         meanwhile=meanwhile,
                     )
                 except KeyboardInterrupt:  # a second interrupt: no more grace
+                    self._may_sigkill_from(time.monotonic())
                     stop_trees(procs, 0, self.tracker.seen.values())
                     raise
                 finally:
@@ -500,6 +514,7 @@ class RankGroup:
     def kill_now(self) -> None:
         """SIGKILL every rank's group and every descendant seen (no grace: the node is going)."""
         self._stopping.set()
+        self._may_sigkill_from(time.monotonic())
         for r in self.ranks:
             with contextlib.suppress(OSError):
                 os.killpg(r.proc.pid, signal.SIGKILL)
@@ -508,6 +523,10 @@ class RankGroup:
                 proc.kill()
             except Exception:  # noqa: BLE001 - gone already
                 pass
+
+    def _may_sigkill_from(self, when: float) -> None:
+        """From ``when`` on, a rank that dies by SIGKILL may have been killed by this group."""
+        self.sigkill_from = when if self.sigkill_from is None else min(self.sigkill_from, when)
 
     def close(self) -> None:
         """After the end: the watch thread, the lifeline (last: ranks die with it if anything above
