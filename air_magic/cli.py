@@ -28,13 +28,15 @@ import argparse
 import importlib.util
 import inspect
 import os
+import shutil
 import signal
 import sys
 import traceback
+from dataclasses import replace
 from types import FrameType
 from typing import Any
 
-from air_magic import verbs
+from air_magic import torchrun_flags, verbs
 from air_magic.calls import detached, history
 from air_magic.calls.call import prepare_call, run_call, start_async
 from air_magic.display.json_lines import JsonLines
@@ -47,7 +49,8 @@ from air_magic.errors import (
     StopSignal,
 )
 from air_magic.launch.settings import add_arguments, make_settings, settings_from_args
-from air_magic.protocol.events import Consumer
+from air_magic.protocol import env_names
+from air_magic.protocol.events import Consumer, Outcome
 from air_magic.tracking import store
 from air_magic.worker import targets
 
@@ -96,18 +99,29 @@ def _main(argv: list[str] | None = None) -> int:
         args = _run_parser().parse_args(options)
         if target is None:
             raise UsageError("run needs a TARGET: script.py, -m module, module:function or notebook.ipynb")
+        given = settings_from_args(args)
+        try:
+            torchrun = torchrun_flags.read(args, given)
+        except torchrun_flags.TorchrunUsageError as exc:
+            raise UsageError(str(exc)) from None
+        for note in torchrun.notes:
+            print(f"air-magic run: {note}", file=sys.stderr)
+        if torchrun.force_cpu:
+            os.environ[env_names.FORCE_CPU] = "1"  # read where the call is planned, in this process
         store.name_calls_after(_experiment_of(*target[:2]))
         if target[0] == "notebook":
             return _run_notebook(target[1], target[2], args)
         call = _target(*target)
-        settings = make_settings(**settings_from_args(args), display="none")
+        if torchrun.env:
+            given["env"] = {**torchrun.env, **(given.get("env") or {})}  # --env wins
+        settings = make_settings(**{**given, **torchrun.settings}, display="none")
     except UsageError as exc:
         print(f"air-magic run: {exc}", file=sys.stderr)
         return USAGE_ERROR
     except ConfigurationError as exc:
         print(f"air-magic run: {str(exc).splitlines()[0]}", file=sys.stderr)
         return USAGE_ERROR
-    return _run(call, settings, args)
+    return _run(call, settings, args, torchrun)
 
 
 # -- arguments ---------------------------------------------------------------------------
@@ -132,6 +146,7 @@ def _run_parser() -> argparse.ArgumentParser:
     )
     add_arguments(parser)
     parser.add_argument("--json", action="store_true", help="one JSON object per event on stdout")
+    torchrun_flags.add_to(parser)
     parser.error = _usage_error  # type: ignore[method-assign]
     return parser
 
@@ -144,6 +159,14 @@ def _split_run_arguments(argv: list[str]) -> tuple[list[str], tuple[str, str, li
     """Options, and the target: ``(kind, what, ARGS)``. Everything after the target is ARGS,
     options included (they are the script's), as with ``python`` and torchrun."""
     takes_value = _options_with_values()
+    # torchrun's --module and --no-python say what TARGET is (also as PET_MODULE, PET_NO_PYTHON).
+    kind = (
+        "program"
+        if torchrun_flags.flag_from_env("no-python")
+        else "module"
+        if torchrun_flags.flag_from_env("module")
+        else None
+    )
     i = 0
     while i < len(argv):
         token = argv[i]
@@ -153,12 +176,16 @@ def _split_run_arguments(argv: list[str]) -> tuple[list[str], tuple[str, str, li
             return argv[:i], ("module", argv[i + 1], argv[i + 2 :])
         if token == "--":
             rest = argv[i + 1 :]
-            return argv[:i], (_kind_of(rest[0]), rest[0], rest[1:]) if rest else None
+            return argv[:i], (kind or _kind_of(rest[0]), rest[0], rest[1:]) if rest else None
         if token.startswith("-"):
             name = token.split("=", 1)[0]
+            if name in ("--no-python", "--no_python"):
+                kind = "program"
+            elif name == "--module" and kind is None:
+                kind = "module"
             i += 2 if name in takes_value and "=" not in token else 1
             continue
-        return argv[:i], (_kind_of(token), token, argv[i + 1 :])
+        return argv[:i], (kind or _kind_of(token), token, argv[i + 1 :])
     return argv, None
 
 
@@ -187,6 +214,11 @@ def _target(kind: str, what: str, argv: list[str]) -> tuple[str, Any, inspect.Bo
     elif kind == "module":
         _check_module(what)
         fn, name, args = targets.run_module, what, (what, argv)
+    elif kind == "program":
+        found = shutil.which(what)
+        if found is None:
+            raise UsageError(f"no such program: {what} (--no-python runs TARGET as a program)")
+        fn, name, args = targets.run_program, os.path.basename(what), (found, argv)
     else:
         module, _, function = what.partition(":")
         if not module or not function:
@@ -295,19 +327,51 @@ def _logs(argv: list[str]) -> int:
 # -- running -----------------------------------------------------------------------------
 
 
-def _run(call: tuple[str, Any, inspect.BoundArguments, str], settings: Any, args: argparse.Namespace) -> int:
+def _run(
+    call: tuple[str, Any, inspect.BoundArguments, str],
+    settings: Any,
+    args: argparse.Namespace,
+    torchrun: torchrun_flags.TorchrunLine | None = None,
+) -> int:
+    torchrun = torchrun or torchrun_flags.TorchrunLine()
     name, fn, bound, kind = call
     source = _read(bound.args[0]) if kind == "script" else None  # the run keeps the script's text
     if settings.detach:
         return _start_detached(name, fn, bound, settings, kind, source)
     json_out = JsonLines() if args.json else None
-    consumers = _displays(args, json_out)
+    consumers = _displays(args, json_out, torchrun.console_ranks)
     stopped_by: list[int] = []
     previous = _stop_on_signals(stopped_by)
     values: list[Any] | None = None
     error: BaseException | None = None
     try:
-        values = run_call(name, fn, bound, settings, kind=kind, source=source, consumers=consumers).unwrap()
+        attempt = 0
+        while True:
+            # torchrun's --max-restarts: after a failure every rank starts again, counted in
+            # TORCHELASTIC_RESTART_COUNT, recorded in the same MLflow run (resumed).
+            this = replace(
+                settings,
+                env={
+                    **settings.env,
+                    "TORCHELASTIC_RESTART_COUNT": str(attempt),
+                    "TORCHELASTIC_MAX_RESTARTS": str(torchrun.max_restarts),
+                },
+            )
+            result = run_call(name, fn, bound, this, kind=kind, source=source, consumers=consumers)
+            if result.outcome != Outcome.FAILED or attempt >= torchrun.max_restarts:
+                break
+            attempt += 1
+            said = str(result.error).strip().splitlines()[0] if result.error is not None else "failed"
+            print(
+                f"air-magic run: attempt {attempt} of {torchrun.max_restarts + 1} failed ({said}); "
+                f"every rank starts again (TORCHELASTIC_RESTART_COUNT={attempt})",
+                file=sys.stderr,
+                flush=True,
+            )
+            last = history.last_run()
+            if last is not None and last.mlflow_run_id and settings.run_id is None:
+                settings = replace(settings, run_id=last.mlflow_run_id)
+        values = result.unwrap()
         status = 0
     except KeyboardInterrupt as exc:  # every rank was stopped before this came up
         error = exc
@@ -321,12 +385,14 @@ def _run(call: tuple[str, Any, inspect.BoundArguments, str], settings: Any, args
     return status
 
 
-def _displays(args: argparse.Namespace, json_out: JsonLines | None) -> list[Consumer]:
+def _displays(
+    args: argparse.Namespace, json_out: JsonLines | None, console_ranks: set[int] | None = None
+) -> list[Consumer]:
     if json_out is not None:
         return [json_out]
     if getattr(args, "display", "auto") == "none":
         return []
-    ranks = {0} if getattr(args, "display", None) == "rank0" else None
+    ranks = {0} if getattr(args, "display", None) == "rank0" else console_ranks
     return [TextDisplay(ranks=ranks, colour=sys.stdout.isatty())]
 
 

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from air_magic.errors import AirMagicError, RankFailedError, RemoteTraceback, add_note
-from air_magic.protocol import serialization
+from air_magic.protocol import elastic_error_file, serialization
 from air_magic.protocol.wire import ErrorRecord
 
 # What a signal death most likely means, for the message.
@@ -236,6 +236,11 @@ def _exception_for(
             )
             if isinstance(exc, SystemExit):
                 message += " (sys.exit() in the function? Return instead.)"
+        elif record.stage == elastic_error_file.STAGE:
+            message = (
+                f"{where} raised {record.type_name}: {record.message}. (From its TORCHELASTIC_ERROR_FILE, "
+                "written by torch's @record: the rank ended before it could report the exception itself.)"
+            )
         else:
             message = (
                 f"{where} raised {record.type_name}: {record.message}{stage}. "

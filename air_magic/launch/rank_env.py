@@ -14,17 +14,21 @@ from dataclasses import dataclass
 
 from air_magic.launch.accelerators import GPU, AcceleratorPlan
 from air_magic.protocol import env_names
+from air_magic.protocol.elastic_error_file import error_file_path
+
+SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # torchrun's default (its --signals-to-handle)
 
 
 @dataclass(frozen=True)
 class RankPlace:
-    """Where a rank stands: in the whole world, and on its node (torchrun's five numbers)."""
+    """Where a rank stands: in the whole world, and on its node (torchrun's numbers)."""
 
     rank: int
     world_size: int
     local_rank: int
     local_world_size: int
     node_rank: int
+    node_count: int = 1
 
     @classmethod
     def on_one_node(cls, rank: int, world_size: int) -> RankPlace:
@@ -58,6 +62,7 @@ def rank_environment(
             "LOCAL_WORLD_SIZE": str(place.local_world_size),
             "NODE_RANK": str(place.node_rank),
             "GROUP_RANK": str(place.node_rank),
+            "GROUP_WORLD_SIZE": str(place.node_count),
             "ROLE_RANK": str(place.rank),
             "ROLE_WORLD_SIZE": str(world),
             "ROLE_NAME": "default",
@@ -68,6 +73,10 @@ def rank_environment(
             "TORCHELASTIC_RUN_ID": run_id,
             "TORCHELASTIC_RESTART_COUNT": "0",
             "TORCHELASTIC_MAX_RESTARTS": "0",
+            # Where torch's @record writes this rank's exception (protocol/elastic_error_file.py).
+            "TORCHELASTIC_ERROR_FILE": error_file_path(call_dir, place.rank),
+            # What torchrun's launcher sets for its ranks: the signals its agent forwards as they are.
+            "TORCHELASTIC_SIGNALS_TO_HANDLE": env.get("TORCHELASTIC_SIGNALS_TO_HANDLE", SIGNALS_TO_HANDLE),
             "PYTHONUNBUFFERED": "1",
             # A failed collective aborts the communicator instead of hanging until the watchdog.
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
@@ -88,7 +97,11 @@ def rank_environment(
     loopback = master_addr in ("127.0.0.1", "localhost", "::1")
     if loopback:  # one machine; a backend across machines chooses its interfaces (or leaves them to NCCL)
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    if not plan.cpu_mode:
+    if plan.cpu_mode:
+        # Accelerate picks its multi-process CPU mode only when told (`accelerate launch --cpu` sets
+        # it); without it, on a machine with no GPU, every rank would train alone.
+        env.setdefault("ACCELERATE_USE_CPU", "1")
+    else:
         # NCCL's bootstrap sockets (and its socket transport, which a single node does not use:
         # NVLink, P2P and shared memory carry the data). '=lo' is an exact match; a bare 'lo' is a
         # prefix. InfiniBand is left alone (NCCL_IB_HCA chooses it, not this variable).

@@ -100,12 +100,27 @@ def _clear_modules(names: list[str]) -> None:
                     pass
 
 
+def _io_layer(obj: object) -> int | None:
+    """0 for a text file, 1 a buffered one, 2 another file object; None for anything else."""
+    try:
+        mro = type(obj).__mro__
+    except Exception:  # noqa: BLE001 - some frameworks' types have none (transformers, Lightning)
+        return None
+    if _IOBASE not in mro:
+        return None
+    return 0 if _TEXT in mro else 1 if _BUFFERED in mro else 2
+
+
 def _close_open_files() -> None:
     keep = {id(sys.stdout), id(sys.stderr), id(sys.stdin), id(sys.__stdout__), id(sys.__stderr__)}
-    found = [o for o in gc.get_objects() if _IOBASE in type(o).__mro__ and id(o) not in keep]
+    layers = []
+    for obj in gc.get_objects():
+        layer = _io_layer(obj)
+        if layer is not None and id(obj) not in keep:
+            layers.append((layer, obj))
     # A text layer flushes into its buffer, a buffer into its raw file: close outermost first.
-    found.sort(key=lambda o: 0 if _TEXT in type(o).__mro__ else 1 if _BUFFERED in type(o).__mro__ else 2)
-    for obj in found:
+    layers.sort(key=lambda pair: pair[0])
+    for _, obj in layers:
         try:
             if not obj.closed and getattr(obj, "fileno", lambda: -1)() not in (0, 1, 2):
                 obj.close()

@@ -33,6 +33,20 @@ def run_module(module: str, argv: list[str]) -> None:
     _as_main(lambda: runpy.run_module(module, run_name="__main__", alter_sys=True))
 
 
+def run_program(program: str, argv: list[str]) -> None:
+    """``program argv...`` (torchrun's ``--no-python``): a child of the rank, in its process group,
+    so a stop reaches it; the program's exit (a status or a signal) is the rank's."""
+    import signal
+    import subprocess
+
+    status = subprocess.call([program, *argv])
+    if status < 0:  # killed by a signal: the rank ends the same way
+        signal.signal(-status, signal.SIG_DFL)
+        os.kill(os.getpid(), -status)
+    if status != 0:
+        raise ScriptExit(status)
+
+
 def call_function(spec: str, argv: list[str]) -> Any:
     """``module:function``, called with the arguments (strings); its return value comes back."""
     module_name, _, qualname = spec.partition(":")

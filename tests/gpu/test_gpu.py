@@ -244,3 +244,46 @@ def test_cuda_and_cpu_generators_are_fresh_per_rank_and_per_call(warm_start):
         values = [f[key] for f in facts]
         assert len(set(values)) == len(values), f"{key} repeats: {values}"
     assert len({tuple(f["cuda_draw"]) for f in facts}) == len(facts)
+
+
+# -- a preload that asks CUDA (issue 33, item 5) -------------------------------------------
+
+_PRELOAD_CALLER = """
+import json, os, sys
+from air_magic import distributed
+
+def on_gpu():
+    import os, torch
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    forked = os.getppid() != int(os.environ["AIR_MAGIC_CALLER_PID"])  # a fresh rank's parent: the caller
+    return {"value": torch.ones(1, device="cuda").item(), "forked": forked}
+
+print(json.dumps(distributed(display="none", tracking=False)(on_gpu).distributed()))
+"""
+
+
+@pytest.mark.parametrize(
+    ("asks", "warm"),
+    [
+        ("torch.cuda.is_available()", True),  # through NVML in the starter: forks stay usable
+        ("torch._C._cuda_getDeviceCount()", False),  # the driver itself: fresh ranks, one line says why
+    ],
+    ids=["is_available", "driver"],
+)
+def test_a_preload_that_asks_cuda_never_breaks_the_ranks(tmp_path, asks, warm):
+    import json
+    import subprocess
+    import sys
+
+    (tmp_path / "asks_cuda.py").write_text(f"import torch\n{asks}\n")
+    (tmp_path / "caller.py").write_text(_PRELOAD_CALLER)
+    env = {**os.environ, "AIR_MAGIC_PRELOAD": "torch,asks_cuda", "PYTHONPATH": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "caller.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [o["value"] for o in out] == [1.0] * len(GPUS)
+    assert all(o["forked"] is warm for o in out), out
+    said = "importing 'asks_cuda' in the warm starter initialised CUDA"
+    assert (said in done.stderr) is not warm, done.stderr

@@ -15,12 +15,14 @@ import signal
 import subprocess
 import sys
 import zipfile
+from pathlib import Path
 
 import pytest
 from helpers.ranks import ready_starter
 
 from air_magic import distributed
 from air_magic.backends.local import warm
+from air_magic.calls.history import last_run
 from air_magic.errors import DistributedTimeoutError
 
 MODES = [pytest.param(True, id="warm"), pytest.param(False, id="fresh")]
@@ -196,7 +198,19 @@ def _leave_work_behind(folder):
     scratch = tempfile.TemporaryDirectory()  # removed at exit by its weakref.finalize
     with open(os.path.join(folder, f"scratch-{os.environ['RANK']}"), "w") as f:
         f.write(scratch.name)
-    _LEFT_OPEN.extend([left_open, archive, scratch])
+
+    class HidesItsMro(type):
+        """Like a type some frameworks make (transformers, Lightning): ``__mro__`` raises on it."""
+
+        def __getattribute__(cls, name):
+            if name == "__mro__":
+                raise AttributeError("type object 'CLIENT' has no attribute '__mro__'")
+            return super().__getattribute__(name)
+
+    class CLIENT(metaclass=HidesItsMro):
+        pass
+
+    _LEFT_OPEN.extend([left_open, archive, scratch, CLIENT()])
     return os.getpid()
 
 
@@ -206,7 +220,10 @@ _LEFT_OPEN: list = []
 @pytest.mark.parametrize("warm_start", MODES)
 def test_ranks_end_like_python_threads_atexit_and_open_files(warm_start, tmp_path):
     _run(_leave_work_behind, warm_start, str(tmp_path))
+    log_dir = last_run().log_dir
     for rank in (0, 1):
+        # Every exit step ran: none was cut short by an object whose type cannot say what it is.
+        assert "Traceback" not in (Path(log_dir) / f"rank-{rank}.log").read_text()
         assert (tmp_path / f"thread-{rank}").read_text() == "saved"
         assert (tmp_path / f"atexit-{rank}").exists()
         assert (tmp_path / f"open-{rank}").read_text() == "x" * 1000

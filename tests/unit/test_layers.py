@@ -43,6 +43,7 @@ LAYER_OF = {
     "air_magic.autoload": "surface",
     "air_magic.notebook": "surface",
     "air_magic.cli": "surface",
+    "air_magic.torchrun_flags": "surface",
     "air_magic.__main__": "surface",
     "air_magic.verbs": "surface",
     "air_magic.runtime": "worker",  # inside a rank: where it stands (reads its environment only)

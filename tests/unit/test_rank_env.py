@@ -43,3 +43,23 @@ def test_every_variable_the_launcher_sets_is_kept_by_a_sessions_ranks():
     for place, addr in places:
         env = _env(place, master_addr=addr)  # base={}: every name is the launcher's
         assert [name for name in env if not kept_by_the_ranks(name)] == []
+
+
+def test_torchruns_other_variables_and_accelerates_cpu_switch():
+    place = RankPlace(rank=5, world_size=8, local_rank=1, local_world_size=4, node_rank=1, node_count=2)
+    env = _env(place)
+    assert env["GROUP_WORLD_SIZE"] == "2"
+    assert env["TORCHELASTIC_ERROR_FILE"] == "/d/torchelastic-error-5.json"  # in the call's private folder
+    assert env["TORCHELASTIC_SIGNALS_TO_HANDLE"] == "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+    assert "ACCELERATE_USE_CPU" not in env  # GPU ranks
+    cpu = AcceleratorPlan(world_size=2, gpus=(), detected="cpu")
+    made = rank_environment(
+        place=RankPlace.on_one_node(0, 2), plan=cpu, master_addr="127.0.0.1", master_port=1, run_id="r",
+        call_dir="/d", log_dir="/l", lifeline_fd=3, extra={}, base={},
+    )  # fmt: skip
+    assert made["ACCELERATE_USE_CPU"] == "1"  # as `accelerate launch --cpu` sets it
+    mine = rank_environment(
+        place=RankPlace.on_one_node(0, 2), plan=cpu, master_addr="127.0.0.1", master_port=1, run_id="r",
+        call_dir="/d", log_dir="/l", lifeline_fd=3, extra={}, base={"ACCELERATE_USE_CPU": "0"},
+    )  # fmt: skip
+    assert mine["ACCELERATE_USE_CPU"] == "0"  # the user's own choice stays

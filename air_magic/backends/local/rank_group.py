@@ -52,6 +52,7 @@ from air_magic.launch.request import LaunchRequest
 from air_magic.launch.stacks import take_stacks
 from air_magic.process_tree import DescendantTracker, stop_trees
 from air_magic.protocol import env_names, wire
+from air_magic.protocol.elastic_error_file import error_file_path, record_from_error_file
 from air_magic.protocol.node_events import (
     Answer,
     Exited,
@@ -89,6 +90,7 @@ class GroupSpec:
     session: bool = False  # a persistent session: its answer pipes are watched
     by_agent: bool = False  # run by a Ray node's agent: that node's GPUs; metric files shipped
     log_root: str | None = None  # where the warm starter's log goes
+    node_count: int = 1  # the nodes of the call (torchrun's GROUP_WORLD_SIZE)
 
     @classmethod
     def of_call(
@@ -225,6 +227,7 @@ class RankGroup:
                     local_rank=local_rank,
                     local_world_size=len(spec.ranks),
                     node_rank=spec.node_rank,
+                    node_count=spec.node_count,
                 ),
                 plan=plan,
                 master_addr=spec.master_addr,
@@ -435,6 +438,8 @@ class RankGroup:
         result = wire.read_bytes(result_path) if r.exit_code == 0 else None
         returned = result is not None or os.path.exists(result_path)
         error = wire.read_bytes(wire.error_path(self.call_dir, r.rank))
+        if error is None and r.exit_code != 0:  # no report of its own: torch's @record may have written one
+            error = record_from_error_file(error_file_path(self.call_dir, r.rank), r.rank)
         self.emit(
             Exited(
                 r.rank,

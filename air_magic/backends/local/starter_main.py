@@ -52,6 +52,33 @@ from air_magic.worker import live_stdout
 _MAX_MESSAGE = 1 << 20  # a spawn request holds the rank's environment: large, never a megabyte
 
 
+_NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
+_POISONED = (
+    "importing {name!r} in the warm starter initialised CUDA (a CUDA call outside NVML), so ranks "
+    "forked from it could not use the GPU: this process's calls start fresh ranks (AIR_MAGIC_PRELOAD "
+    "without {name!r} keeps warm start)"
+)
+
+
+def _forks_cannot_use_cuda() -> bool:
+    """Whether a fork of this process would find CUDA unusable ("Cannot re-initialize CUDA in
+    forked subprocess"): torch says so in a child (a probe fork, a few ms) once the driver was
+    touched here."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    if torch.cuda.is_initialized():
+        return True
+    in_bad_fork = getattr(torch._C, "_cuda_isInBadFork", None)  # absent from CPU-only builds
+    if in_bad_fork is None:
+        return False
+    pid = os.fork()
+    if pid == 0:
+        os._exit(1 if in_bad_fork() else 0)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) != 0
+
+
 def main(control_fd: int, preload: list[str]) -> None:
     sock = socket.socket(fileno=control_fd)
     # Before the preload: a rank's own exit hook must run after every atexit hook that
@@ -61,6 +88,12 @@ def main(control_fd: int, preload: list[str]) -> None:
 
     install_exit_hook()
     loaded, failed = [], {}
+    # torch.cuda.is_available() (called on import by DeepSpeed, bitsandbytes, torch's own
+    # LaunchConfig) asks the CUDA driver, which makes every later fork unable to use the GPU,
+    # although torch.cuda.is_initialized() stays False. Through NVML it asks without that cost.
+    nvml_check = _NVML_CHECK not in os.environ
+    if nvml_check:
+        os.environ[_NVML_CHECK] = "1"
     with _exit_if_caller_leaves(sock):
         for name in preload:
             try:
@@ -68,10 +101,11 @@ def main(control_fd: int, preload: list[str]) -> None:
                 loaded.append(name)
             except Exception as exc:  # noqa: BLE001 - report it; the ranks import it themselves
                 failed[name] = repr(exc)
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():  # pragma: no cover - a preload touched CUDA
-        _send(sock, {"error": "a preloaded module initialised CUDA; forked ranks would inherit it"})
-        return
+            if _forks_cannot_use_cuda():
+                _send(sock, {"error": _POISONED.format(name=name)})
+                return
+    if nvml_check:
+        del os.environ[_NVML_CHECK]  # a rank's own is_available() is the usual one
     # What the preload made is never collected in a rank (it lives as long as the process):
     # frozen, the garbage collector skips it, so forks keep sharing its pages (no copy on
     # write) and a rank's interpreter shutdown skips walking it (about 0.3 s with torch).

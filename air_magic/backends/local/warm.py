@@ -295,6 +295,7 @@ class Starter:
             self.exits[message["exited"]] = message["code"]
         elif "error" in message:
             self.broken = True
+            _refused(self, str(message["error"]))
             return None
         return message
 
@@ -433,6 +434,14 @@ def _give_up(starter: Starter) -> None:
         "(or air_magic.restart_warm_start()). AIR_MAGIC_STARTER_WAIT sets the wait.",
         file=sys.stderr,
     )
+
+
+def _refused(starter: Starter, why: str) -> None:
+    """The starter cannot serve forks (its preload made them unusable): fresh ranks until restart().
+    No lock: this runs inside the starter's own (its message is being read), and the next
+    get_starter() retires the broken starter and, its preload now stuck, builds no other."""
+    _stuck.add(starter.fingerprint)
+    print(f"air_magic: {why}.", file=sys.stderr)
 
 
 def _current_umask() -> int:

@@ -106,6 +106,7 @@ class RayCall(CallLoop):
                 log_dir=self.log_dir,
                 ranks=[r.rank for r in self.ledger.records if r.node == node],
                 node_rank=node,
+                node_count=len(self.agents),
                 master=(master, port),
                 warm_start=self.warm_start,
                 starter_wait_s=wait,
