@@ -109,6 +109,7 @@ def _main(argv: list[str] | None = None) -> int:
         if torchrun.force_cpu:
             os.environ[env_names.FORCE_CPU] = "1"  # read where the call is planned, in this process
         store.name_calls_after(_experiment_of(*target[:2]))
+        _check_torchrun_fits(target[0], torchrun, given)
         if target[0] == "notebook":
             return _run_notebook(target[1], target[2], args)
         call = _target(*target)
@@ -125,6 +126,20 @@ def _main(argv: list[str] | None = None) -> int:
 
 
 # -- arguments ---------------------------------------------------------------------------
+
+
+def _check_torchrun_fits(kind: str, torchrun: torchrun_flags.TorchrunLine, given: dict[str, Any]) -> None:
+    """A notebook's cells carry their own options; a detached run is followed elsewhere: the
+    torchrun options that would change nothing there are refused, not dropped."""
+    if kind == "notebook" and torchrun.given - {"standalone", "run-path", "monitor-interval"}:
+        raise UsageError(
+            "a notebook target takes no torchrun options (its %%distributed lines carry the options): "
+            + ", ".join(f"--{name}" for name in sorted(torchrun.given))
+        )
+    if given.get("detach") and (torchrun.max_restarts or torchrun.console_ranks is not None):
+        raise UsageError(
+            "--detach runs one attempt and shows every rank: no --max-restarts, --local-ranks-filter"
+        )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -231,7 +246,7 @@ def _target(kind: str, what: str, argv: list[str]) -> tuple[str, Any, inspect.Bo
 def _experiment_of(kind: str, what: str) -> str:
     """The default MLflow experiment of TARGET: a script's or notebook's file name without its
     suffix, a module's name (``pkg.train``, ``mymod`` of ``mymod:main``), as the README says."""
-    if kind in ("script", "notebook"):
+    if kind in ("script", "notebook", "program"):
         return os.path.splitext(os.path.basename(what))[0]
     return what.partition(":")[0]
 

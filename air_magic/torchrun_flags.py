@@ -67,8 +67,10 @@ _FLAGS: dict[str, tuple[bool, str]] = {
     "numa-binding": (True, "air_magic does not bind ranks to NUMA nodes (numactl in the script does)"),
     "signals-to-handle": (True, "setting"),
     "shutdown-timeout": (True, "setting"),
-    "virtual-local-rank": (False, "every rank sees the node's GPUs, LOCAL_RANK picks its own"),
+    "virtual-local-rank": (False, "setting"),
 }
+# air_magic's own setting for the same thing: given, it wins over the PET_ variable.
+_OWN = {"nproc-per-node": "num_accelerators", "log-dir": "log_dir", "shutdown-timeout": "stop_grace"}
 _SHORT = {"redirects": "-r", "tee": "-t"}  # torchrun's one-letter spellings (-m is TARGET's, cli.py)
 
 
@@ -117,6 +119,7 @@ class TorchrunLine:
     program: bool = False  # --no-python: TARGET is a program, not a Python script
     module: bool = False  # --module: TARGET is a module name
     force_cpu: bool = False  # --nproc-per-node=cpu: CPU ranks even where GPUs are visible
+    given: set[str] = field(default_factory=set)  # the torchrun options given (or their PET_ variables)
     nodes: int = 1  # --nnodes (its most): with --cluster ray, the ranks are nodes x nproc-per-node
 
 
@@ -143,9 +146,12 @@ def read(
     for name, (takes_value, _) in _FLAGS.items():
         if hasattr(args, dest(name)):
             values[name] = getattr(args, dest(name))
-        elif environ.get(pet_variable(name), "") != "":
+        elif environ.get(pet_variable(name), "") != "" and _OWN.get(name, "-") not in given:
+            # A PET_ variable stands for an option not given; air_magic's own option, given, wins.
             raw = environ[pet_variable(name)]
             values[name] = raw if takes_value else raw.strip().lower() not in ("0", "false", "no")
+    if values.get("no-python") and values.get("module"):
+        raise TorchrunUsageError("--no-python and --module: TARGET is either a program or a module")
     for name, value in values.items():
         what = _FLAGS[name][1]
         if what == "same" or (not _FLAGS[name][0] and not value):
@@ -155,6 +161,7 @@ def read(
             line.notes.append(f"{spelled}: no effect here ({what})")
             continue
         _apply(name, value, line, given)
+    line.given = {name for name, value in values.items() if _FLAGS[name][0] or value}
     if line.nodes > 1 and "num_accelerators" in line.settings:
         line.settings["num_accelerators"] *= line.nodes
     return line
@@ -193,7 +200,13 @@ def _apply(name: str, value: Any, line: TorchrunLine, given: dict[str, Any]) -> 
     elif name == "signals-to-handle":
         line.env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = str(value)
     elif name == "shutdown-timeout":
-        line.settings["stop_grace"] = float(_int(name, value))
+        if "stop_grace" not in given:
+            line.settings["stop_grace"] = float(_int(name, value))
+    elif name == "virtual-local-rank":
+        raise TorchrunUsageError(
+            "--virtual-local-rank: not supported; every rank sees its node's GPUs and picks its own "
+            "with LOCAL_RANK (torch.cuda.set_device(int(os.environ['LOCAL_RANK'])))"
+        )
     elif name == "log-dir":
         if "log_dir" not in given:
             line.settings["log_dir"] = str(value)

@@ -74,6 +74,7 @@ def shared_worker_group(nodeid: str) -> str | None:
     return None
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest -p no:xdist: no such hook
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """--dist loadgroup with the groups of ``shared_worker_group``. xdist sends the biggest unit
     first (--loadscope-reorder): one worker starts on the Ray group, the other on the UI group."""
@@ -110,7 +111,8 @@ def tier_of(item: pytest.Item) -> str | None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Each test is marked with its kind; the tests on the Ray cluster run last, in their files' order.
+    """Each test is marked with its kind; the tests on the Ray cluster run last, in their files' order
+    (in one process; under xdist their group goes to one worker first, see pytest_xdist_make_scheduler).
 
     One cluster serves them all: starting it takes 20 s; once up, its processes would be running
     beside every other test."""

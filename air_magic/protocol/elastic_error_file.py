@@ -47,8 +47,8 @@ def record_from_error_file(path: str, rank: int) -> bytes | None:
             extra = message["extraInfo"]
     else:
         return None
-    type_name, _, rest = text.partition(": ")
-    if not rest or not type_name.replace(".", "").replace("_", "").isalnum():
+    type_name, found, rest = text.partition(": ")
+    if not found or not type_name.replace(".", "").replace("_", "").isalnum():
         type_name, rest = "Exception", text
     return serialization.dumps(
         ErrorRecord(

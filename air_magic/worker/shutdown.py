@@ -104,11 +104,12 @@ def _io_layer(obj: object) -> int | None:
     """0 for a text file, 1 a buffered one, 2 another file object; None for anything else."""
     try:
         mro = type(obj).__mro__
+        # By identity: a metaclass's __eq__ may raise as well.
+        if not any(c is _IOBASE for c in mro):
+            return None
+        return 0 if any(c is _TEXT for c in mro) else 1 if any(c is _BUFFERED for c in mro) else 2
     except Exception:  # noqa: BLE001 - some frameworks' types have none (transformers, Lightning)
         return None
-    if _IOBASE not in mro:
-        return None
-    return 0 if _TEXT in mro else 1 if _BUFFERED in mro else 2
 
 
 def _close_open_files() -> None:

@@ -39,9 +39,16 @@ def run_program(program: str, argv: list[str]) -> None:
     import signal
     import subprocess
 
-    status = subprocess.call([program, *argv])
+    child = subprocess.Popen([program, *argv])
+    # A stop signals the rank's whole process group, the program with it: the rank waits for the
+    # program to end in its own time (its grace), never killing it itself. A Python handler, not
+    # SIG_IGN, which the program would inherit through exec.
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, lambda *_: None)
+    status = child.wait()
     if status < 0:  # killed by a signal: the rank ends the same way
-        signal.signal(-status, signal.SIG_DFL)
+        if status not in (-signal.SIGKILL, -signal.SIGSTOP):
+            signal.signal(-status, signal.SIG_DFL)
         os.kill(os.getpid(), -status)
     if status != 0:
         raise ScriptExit(status)

@@ -277,7 +277,8 @@ def test_a_preload_that_asks_cuda_never_breaks_the_ranks(tmp_path, asks, warm):
 
     (tmp_path / "asks_cuda.py").write_text(f"import torch\n{asks}\n")
     (tmp_path / "caller.py").write_text(_PRELOAD_CALLER)
-    env = {**os.environ, "AIR_MAGIC_PRELOAD": "torch,asks_cuda", "PYTHONPATH": str(tmp_path)}
+    where = os.pathsep.join([str(tmp_path), os.path.dirname(EXAMPLES), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "AIR_MAGIC_PRELOAD": "torch,asks_cuda", "PYTHONPATH": where}
     done = subprocess.run(
         [sys.executable, "caller.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
     )

@@ -159,10 +159,9 @@ def test_max_restarts_starts_every_rank_again_as_torchrun_does(tmp_path):
     ours = invoke("run", "--no-tracking", "--max-restarts=1", "fails_once.py", cwd=tmp_path)
     assert ours.returncode == 0, ours.stderr
     assert "attempt 1 of 2 failed (" in ours.stderr and "TORCHELASTIC_RESTART_COUNT=1" in ours.stderr
-    for rank in (0, 1):
-        assert (
-            f"[rank {rank}] attempt 0 of 2" in ours.stdout and f"[rank {rank}] attempt 1 of 2" in ours.stdout
-        )
+    # Rank 0's first line may not come before the failure stops it (a busy machine): the others must.
+    assert "[rank 1] attempt 0 of 2" in ours.stdout
+    assert "[rank 0] attempt 1 of 2" in ours.stdout and "[rank 1] attempt 1 of 2" in ours.stdout
     no_more = invoke("run", "--no-tracking", "--max-restarts=0", "fails_once.py", cwd=tmp_path)
     assert no_more.returncode == 1 and "a node's disk was full" in no_more.stderr
 

@@ -438,7 +438,7 @@ class RankGroup:
         result = wire.read_bytes(result_path) if r.exit_code == 0 else None
         returned = result is not None or os.path.exists(result_path)
         error = wire.read_bytes(wire.error_path(self.call_dir, r.rank))
-        if error is None and r.exit_code != 0:  # no report of its own: torch's @record may have written one
+        if error is None and r.exit_code is not None and r.exit_code > 0:  # ended by itself, no report
             error = record_from_error_file(error_file_path(self.call_dir, r.rank), r.rank)
         self.emit(
             Exited(
@@ -490,9 +490,9 @@ class RankGroup:
         self._stopping.set()
         with self._stop_lock:
             now = time.monotonic()
+            self._may_sigkill_from(now + grace_s)  # first: an exit seen meanwhile is judged by both
             if self.teardown_at is None:
                 self.teardown_at = now
-            self._may_sigkill_from(now + grace_s)
             # Every rank, also those that ended: their process groups may hold what they started.
             procs = [r.proc for r in self.ranks]
             in_caller = self._in_caller

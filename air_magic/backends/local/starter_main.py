@@ -70,13 +70,19 @@ def _forks_cannot_use_cuda() -> bool:
     if torch.cuda.is_initialized():
         return True
     in_bad_fork = getattr(torch._C, "_cuda_isInBadFork", None)  # absent from CPU-only builds
-    if in_bad_fork is None:
-        return False
+    if in_bad_fork is None or not _gpus_here():
+        return False  # CPU ranks never touch CUDA: a fork that could not is still a good CPU rank
     pid = os.fork()
     if pid == 0:
         os._exit(1 if in_bad_fork() else 0)
     _, status = os.waitpid(pid, 0)
     return os.waitstatus_to_exitcode(status) != 0
+
+
+def _gpus_here() -> bool:
+    from air_magic.launch.accelerators import detect_gpus  # NVML only: no CUDA context
+
+    return bool(detect_gpus())
 
 
 def main(control_fd: int, preload: list[str]) -> None:

@@ -357,6 +357,12 @@ def get_starter(
     preload = preload_list()
     wanted = dict(startup_environment(os.environ) if startup_env is None else startup_env)
     fp = fingerprint(preload)
+    with _lock:
+        if _starter is not None:
+            _starter.is_ready(0.0)  # a message already sent (a refusal) counts before alive() is asked
+        if _starter is not None and (not _starter.alive() or _starter.fingerprint != fp):
+            _retire(_starter)
+            _starter = None
     if fp in _stuck:
         return None
     with _lock:
@@ -438,7 +444,7 @@ def _give_up(starter: Starter) -> None:
 
 def _refused(starter: Starter, why: str) -> None:
     """The starter cannot serve forks (its preload made them unusable): fresh ranks until restart().
-    No lock: this runs inside the starter's own (its message is being read), and the next
+    No lock: this runs inside the starter's own (its message is being read); the next
     get_starter() retires the broken starter and, its preload now stuck, builds no other."""
     _stuck.add(starter.fingerprint)
     print(f"air_magic: {why}.", file=sys.stderr)
