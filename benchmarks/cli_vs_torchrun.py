@@ -1,6 +1,9 @@
 """``air-magic run`` against ``torchrun --standalone``: wall time of the trivial 2-rank job from a shell.
 
-    python benchmarks/cli_vs_torchrun.py [--pairs 7] [--nproc 2]
+    python benchmarks/cli_vs_torchrun.py [--pairs 7] [--nproc 2] [--torchrun-line]
+
+``--torchrun-line``: ``air-magic run`` gets torchrun's own line (``--standalone
+--nproc-per-node=N``, docs/torchrun.md) instead of ``-n N``.
 
 Both run ``benchmarks/trivial_job.py`` (init, one all_reduce, destroy) as a
 script, each as a fresh process, as a user types it: this measures the
@@ -38,10 +41,13 @@ def main() -> None:
     )
     parser.add_argument("--pairs", type=int, default=7)
     parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--torchrun-line", action="store_true", help="air-magic run with torchrun's flags")
     args = parser.parse_args()
     bindir = os.path.dirname(sys.executable)
-    ours = [os.path.join(bindir, "air-magic"), "run", "--no-tracking", "-n", str(args.nproc), JOB]
-    theirs = [os.path.join(bindir, "torchrun"), "--standalone", f"--nproc-per-node={args.nproc}", JOB]
+    line = ["--standalone", f"--nproc-per-node={args.nproc}"]
+    ours = [os.path.join(bindir, "air-magic"), "run", "--no-tracking"]
+    ours += [*line, JOB] if args.torchrun_line else ["-n", str(args.nproc), JOB]
+    theirs = [os.path.join(bindir, "torchrun"), *line, JOB]
     timed(ours), timed(theirs)  # the page cache warm for both
     a, b = [], []
     for pair in range(args.pairs):
@@ -56,10 +62,11 @@ def main() -> None:
         f"# {time.strftime('%Y-%m-%d %H:%M')} on {platform.node()}: {os.cpu_count()} cores, "
         f"torch {torch.__version__}"
     )
-    print(f"# command: python benchmarks/cli_vs_torchrun.py --pairs {args.pairs} --nproc {args.nproc}")
+    flag = " --torchrun-line" if args.torchrun_line else ""
+    print(f"# command: python benchmarks/cli_vs_torchrun.py --pairs {args.pairs} --nproc {args.nproc}{flag}")
     print("| launcher (trivial job, cold: a fresh process each time) | wall time, median (s) |")
     print("|---|---|")
-    print(f"| air-magic run --no-tracking | {statistics.median(a):.2f} |")
+    print(f"| air-magic run --no-tracking {' '.join(ours[3:-1])} | {statistics.median(a):.2f} |")
     print(f"| torchrun --standalone | {statistics.median(b):.2f} |")
     print(
         f"| difference, air-magic - torchrun (median of {args.pairs} pairs; range) | "
