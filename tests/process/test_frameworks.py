@@ -17,7 +17,7 @@ import pytest
 from helpers.cli import environment, invoke
 from helpers.modules import skip_unless_installed
 
-pytestmark = skip_unless_installed("accelerate")
+FRAMEWORKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "frameworks")
 
 SCRIPTS = ("test_ops", "test_sync", "test_script")
 
@@ -30,6 +30,7 @@ def _script(name: str) -> str:
     return spec.origin
 
 
+@skip_unless_installed("accelerate")
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_accelerates_own_scripts_pass_as_under_torchrun(tmp_path, name):
     path = _script(name)
@@ -54,3 +55,33 @@ def test_accelerates_own_scripts_pass_as_under_torchrun(tmp_path, name):
         assert done.returncode == 0, (how, done.stderr[-3000:])
         assert "Traceback" not in done.stderr, (how, done.stderr[-3000:])  # warm exits end cleanly too
     assert not os.environ.get("ACCELERATE_USE_CPU")  # the caller set nothing for its ranks
+
+
+@pytest.mark.parametrize(
+    ("script", "package"),
+    [("lightning_ddp.py", "lightning"), ("transformers_trainer.py", "transformers")],
+    ids=["lightning-ddp", "transformers-trainer"],
+)
+def test_a_frameworks_trainer_gives_torchruns_final_weights(tmp_path, script, package):
+    pytest.importorskip(package)  # here, not at collection: importing it costs seconds
+    import torch
+
+    path = os.path.join(FRAMEWORKS, script)
+    oracle = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", path,
+         str(tmp_path / "torchrun.pt"), str(tmp_path / "out-torchrun")],
+        cwd=tmp_path, env=environment(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert oracle.returncode == 0, oracle.stderr[-3000:]
+    expected = torch.load(tmp_path / "torchrun.pt")
+    for how, options in {"warm": [], "fresh": ["--no-warm-start"]}.items():
+        out = tmp_path / f"{how}.pt"
+        done = invoke(
+            "run", "--no-tracking", *options, path, str(out), str(tmp_path / f"out-{how}"),
+            cwd=tmp_path, timeout=300,
+        )  # fmt: skip
+        assert done.returncode == 0, (how, done.stderr[-3000:])
+        # No traceback from air_magic's own exit code either (a framework type without __mro__).
+        assert "Traceback" not in done.stderr, (how, done.stderr[-3000:])
+        got = torch.load(out)
+        assert all(torch.equal(got[k], expected[k]) for k in expected), (how, got, expected)
