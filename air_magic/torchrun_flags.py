@@ -29,45 +29,34 @@ from typing import Any
 
 GROUP_TITLE = "torchrun's options (accepted as torchrun takes them; docs/torchrun.md)"
 
-# name -> (takes a value, what it does here). "setting": mapped below; "same": what air_magic
-# always does; otherwise the words of the one line that says why it has no effect.
-_STORE_NOTE = (
-    "air_magic hosts the rendezvous store itself, on a free loopback port (two jobs never share 29500)"
-)
-_FLAGS: dict[str, tuple[bool, str]] = {
-    "nnodes": (True, "setting"),
-    "nproc-per-node": (True, "setting"),
-    "rdzv-backend": (True, _STORE_NOTE),
-    "rdzv-endpoint": (True, _STORE_NOTE),
-    "rdzv-id": (True, "the call's own id names its rendezvous"),
-    "rdzv-conf": (True, _STORE_NOTE),
-    "standalone": (False, "same"),
-    "max-restarts": (True, "setting"),
-    "monitor-interval": (True, "same"),
-    "start-method": (
-        True,
-        "ranks start as fresh interpreters or as forks of the warm starter (--no-warm-start chooses)",
+# What each of torchrun's options does here: a setting of ours (mapped in _apply), what air_magic
+# always does, or nothing (with the words of the one line that says why).
+_SETTINGS = (
+    "nnodes", "nproc-per-node", "max-restarts", "role", "module", "no-python", "log-dir",
+    "local-ranks-filter", "node-rank", "signals-to-handle", "shutdown-timeout", "virtual-local-rank",
+)  # fmt: skip
+_ALWAYS = ("standalone", "monitor-interval", "run-path")
+_NO_EFFECT_BECAUSE = {
+    "air_magic hosts the rendezvous store itself, on a free loopback port (two jobs never share 29500)": (
+        "rdzv-backend", "rdzv-endpoint", "rdzv-conf", "master-addr", "master-port",
     ),
-    "event-log-handler": (True, "air_magic records its events in the call's log folder and MLflow run"),
-    "role": (True, "setting"),
-    "module": (False, "setting"),
-    "no-python": (False, "setting"),
-    "run-path": (False, "same"),
-    "log-dir": (True, "setting"),
-    "redirects": (True, "every rank's output goes to its log file and to the console"),
-    "tee": (True, "every rank's output goes to its log file and to the console"),
-    "local-ranks-filter": (True, "setting"),
-    "duplicate-stdout-filters": (True, "every rank's output is in its own log file"),
-    "duplicate-stderr-filters": (True, "every rank's output is in its own log file"),
-    "node-rank": (True, "setting"),
-    "master-addr": (True, _STORE_NOTE),
-    "master-port": (True, _STORE_NOTE),
-    "local-addr": (True, "the ranks of one machine talk over loopback"),
-    "logs-specs": (True, "every rank's output goes to its log file in the call's log folder"),
-    "numa-binding": (True, "air_magic does not bind ranks to NUMA nodes (numactl in the script does)"),
-    "signals-to-handle": (True, "setting"),
-    "shutdown-timeout": (True, "setting"),
-    "virtual-local-rank": (False, "setting"),
+    "the call's own id names its rendezvous": ("rdzv-id",),
+    "ranks start as fresh interpreters or as forks of the warm starter (--no-warm-start chooses)": (
+        "start-method",
+    ),
+    "air_magic records its events in the call's log folder and MLflow run": ("event-log-handler",),
+    "every rank's output goes to its own log file and to the console": (
+        "redirects", "tee", "logs-specs", "duplicate-stdout-filters", "duplicate-stderr-filters",
+    ),
+    "the ranks of one machine talk over loopback": ("local-addr",),
+    "air_magic does not bind ranks to NUMA nodes (numactl in the script does)": ("numa-binding",),
+}  # fmt: skip
+_WITHOUT_VALUE = frozenset({"standalone", "module", "no-python", "run-path", "virtual-local-rank"})
+# name -> (takes a value, "setting" | "same" | why it has no effect here)
+_FLAGS: dict[str, tuple[bool, str]] = {
+    **{name: (name not in _WITHOUT_VALUE, "setting") for name in _SETTINGS},
+    **{name: (name not in _WITHOUT_VALUE, "same") for name in _ALWAYS},
+    **{name: (True, why) for why, names in _NO_EFFECT_BECAUSE.items() for name in names},
 }
 # air_magic's own setting for the same thing: given, it wins over the PET_ variable.
 _OWN = {"nproc-per-node": "num_accelerators", "log-dir": "log_dir", "shutdown-timeout": "stop_grace"}

@@ -220,7 +220,9 @@ def test_fifty_calls_leak_nothing():
     for _ in range(50):
         assert fn.distributed() == [1, 1]
     after = (fds(), threading.active_count(), len(os.listdir(tempfile.gettempdir())))
-    assert after == before
+    # No growth. Fewer is no leak: what an earlier test of this worker left ending meanwhile
+    # (seen on CI: 52 -> 46 descriptors, 2 -> 1 threads).
+    assert all(a <= b for a, b in zip(after, before, strict=True)), (before, after)
     starter = warm.starter_pid()  # the warm starter stays on purpose; nothing else may
     left = [p for p in psutil.Process().children(recursive=True) if p.pid != starter]
     assert [p for p in left if p.status() != psutil.STATUS_ZOMBIE] == []

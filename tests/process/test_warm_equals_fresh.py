@@ -32,6 +32,7 @@ _PER_CALL = {
     "MASTER_PORT",
     "AIR_MAGIC_LIFELINE_FD",
     "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_ERROR_FILE",  # in the call's folder
     "AIR_MAGIC_RUN_ID",
     "AIR_MAGIC_RUN_DIR",
     "AIR_MAGIC_LOG_DIR",
