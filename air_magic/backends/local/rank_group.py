@@ -116,6 +116,34 @@ class GroupSpec:
             **where,
         )
 
+    def rank_environments(
+        self, call_dir: str, lifeline_fd: int, metrics_dir: str | None
+    ) -> list[dict[str, str]]:
+        """Each of this node's ranks' whole environment, in local-rank order."""
+        plan, gpus = self.plan, self.plan.gpus
+        if self.by_agent and not plan.cpu_mode:  # the GPUs Ray gave this node's agent
+            gpus = tuple(detect_gpus())
+            plan = replace(plan, gpus=gpus)
+        extra = dict(self.env)
+        if metrics_dir is not None and env_names.METRICS_DIR in extra:
+            extra[env_names.METRICS_DIR] = metrics_dir
+        local_world = len(self.ranks)
+        return [
+            rank_environment(
+                place=RankPlace(rank, plan.world_size, local, local_world, self.node_rank, self.node_count),
+                plan=plan,
+                master_addr=self.master_addr,
+                master_port=self.master_port,
+                run_id=self.run_id,
+                call_dir=call_dir,
+                log_dir=self.log_dir,
+                lifeline_fd=lifeline_fd,
+                extra=extra,
+                gpus=gpus,
+            )
+            for local, rank in enumerate(self.ranks)
+        ]
+
 
 class RankGroup:
     """One call's ranks on this node; every fact about them goes to ``emit`` (any thread)."""
@@ -211,36 +239,8 @@ class RankGroup:
     ) -> list[tuple[int, int]] | None:
         spec = self.spec
         cwd = spec.cwd if os.path.isdir(spec.cwd) else os.getcwd()
-        plan, gpus = spec.plan, spec.plan.gpus
-        if spec.by_agent and not plan.cpu_mode:  # the GPUs Ray gave this node's agent
-            gpus = tuple(detect_gpus())
-            plan = replace(plan, gpus=gpus)
-        extra = dict(spec.env)
-        if self.metrics_dir is not None and env_names.METRICS_DIR in extra:
-            extra[env_names.METRICS_DIR] = self.metrics_dir
         self.ranks_ignore_sigint = warm.sigint_ignored()  # as the ranks will start (exec keeps SIG_IGN)
-        envs = [
-            rank_environment(
-                place=RankPlace(
-                    rank=rank,
-                    world_size=plan.world_size,
-                    local_rank=local_rank,
-                    local_world_size=len(spec.ranks),
-                    node_rank=spec.node_rank,
-                    node_count=spec.node_count,
-                ),
-                plan=plan,
-                master_addr=spec.master_addr,
-                master_port=spec.master_port,
-                run_id=self.run_id,
-                call_dir=self.call_dir,
-                log_dir=spec.log_dir,
-                lifeline_fd=lifeline_r,
-                extra=extra,
-                gpus=gpus,
-            )
-            for local_rank, rank in enumerate(spec.ranks)
-        ]
+        envs = spec.rank_environments(self.call_dir, lifeline_r, self.metrics_dir)
         starter = None
         if spec.warm_start and envs:
             starter = self._ready_starter(envs[0], give_up)
@@ -417,12 +417,8 @@ class RankGroup:
 
     def _forget_payload_once_loaded(self) -> None:
         """Delete the payload (the arguments, in clear) as soon as every rank has read it."""
-        if self._payload_gone or not self.ranks:
-            return
-        if all(os.path.exists(wire.loaded_path(self.call_dir, r.rank)) for r in self.ranks):
-            self._payload_gone = True
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(self.call_dir, wire.PAYLOAD_FILE))
+        if not self._payload_gone and self.ranks:
+            self._payload_gone = forget_payload_once_loaded(self.call_dir, [r.rank for r in self.ranks])
 
     def _exited(self, r: RankSlot, lost_code: int | None = None) -> None:
         with self._reap_lock:
@@ -434,39 +430,17 @@ class RankGroup:
         r.exited_at = r.dead_since if r.dead_since is not None else time.monotonic()
         self._close_pidfd(r)
         self.pipes.drain_rank(r)  # all its output before its exit
-        result_path = wire.result_path(self.call_dir, r.rank)
-        result = wire.read_bytes(result_path) if r.exit_code == 0 else None
-        returned = result is not None or os.path.exists(result_path)
-        error = wire.read_bytes(wire.error_path(self.call_dir, r.rank))
-        if error is None and r.exit_code is not None and r.exit_code > 0:  # ended by itself, no report
-            error = record_from_error_file(error_file_path(self.call_dir, r.rank), r.rank)
-        self.emit(
-            Exited(
-                r.rank,
-                r.exit_code,
-                r.exited_at,
-                result,
-                returned,
-                error,
-                r.status_lost,
-                self.teardown_at,
-                self.sigkill_from,
-            )
-        )
+        result, returned, error = what_it_left(self.call_dir, r.rank, r.exit_code)
+        facts = (r.exit_code, r.exited_at, result, returned, error, r.status_lost)
+        self.emit(Exited(r.rank, *facts, self.teardown_at, self.sigkill_from))
 
     def _ship_metrics(self) -> None:
         """New bytes of each rank's metric file, for the caller's copy (on another node only)."""
         if self.metrics_dir is None:
             return
         for r in self.ranks:
-            path = wire.metrics_path(self.metrics_dir, r.rank)
             offset = self._metric_offsets.get(r.rank, 0)
-            try:
-                with open(path, "rb") as f:
-                    f.seek(offset)
-                    data = f.read()
-            except FileNotFoundError:
-                continue
+            data = bytes_from(wire.metrics_path(self.metrics_dir, r.rank), offset)
             if data:
                 self._metric_offsets[r.rank] = offset + len(data)
                 self.emit(Metrics(r.rank, data))
@@ -552,3 +526,37 @@ class RankGroup:
             warm.release(self._held_starter)
             self._held_starter = None
         shutil.rmtree(self.call_dir, ignore_errors=True)
+
+
+# -- the call folder's files of a rank -------------------------------------------------------
+
+
+def forget_payload_once_loaded(call_dir: str, ranks: list[int]) -> bool:
+    """Delete the payload (the arguments, in clear) once every rank has read it; True once gone."""
+    if not all(os.path.exists(wire.loaded_path(call_dir, rank)) for rank in ranks):
+        return False
+    with contextlib.suppress(OSError):
+        os.unlink(os.path.join(call_dir, wire.PAYLOAD_FILE))
+    return True
+
+
+def what_it_left(call_dir: str, rank: int, exit_code: int | None) -> tuple[bytes | None, bool, bytes | None]:
+    """An ended rank's result (if it exited 0), whether it returned, and its error record: its own
+    report, else (exited non-zero by itself) the error file torch's @record wrote."""
+    result_path = wire.result_path(call_dir, rank)
+    result = wire.read_bytes(result_path) if exit_code == 0 else None
+    returned = result is not None or os.path.exists(result_path)
+    error = wire.read_bytes(wire.error_path(call_dir, rank))
+    if error is None and exit_code is not None and exit_code > 0:
+        error = record_from_error_file(error_file_path(call_dir, rank), rank)
+    return result, returned, error
+
+
+def bytes_from(path: str, offset: int) -> bytes:
+    """What a file holds past ``offset`` (nothing if it does not exist yet)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read()
+    except FileNotFoundError:
+        return b""
