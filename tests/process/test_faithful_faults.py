@@ -121,7 +121,11 @@ def test_results_written_before_the_starter_died_count(starter):
     assert run(_kill_the_starter_after_returning) == [0, 10]
     assert air_magic.last_run().rank_states == {0: "succeeded", 1: "succeeded"}
     assert starter.proc.poll() is not None
-    assert run(os.getppid) == [warm.starter_pid()] * 2  # a new starter took over
+    # A new starter took over: the ranks are forks of one, neither the killed one nor the caller.
+    # (Not compared with warm.starter_pid() afterwards: once, under CI's load, the current
+    # starter was already another one by then; see issue 33's note of 2026-12-05.)
+    parents = run(os.getppid)
+    assert len(set(parents)) == 1 and parents[0] not in (starter.proc.pid, os.getpid()), parents
 
 
 def _kill_the_starter_then_die():
