@@ -112,9 +112,9 @@ class TorchrunLine:
     nodes: int = 1  # --nnodes (its most): with --cluster ray, the ranks are nodes x nproc-per-node
 
 
-def flag_from_env(name: str) -> bool:
+def flag_from_env(name: str, environ: dict[str, str] | None = None) -> bool:
     """A flag of torchrun's set through its ``PET_`` variable (``PET_NO_PYTHON=1``)."""
-    raw = os.environ.get(pet_variable(name), "")
+    raw = (os.environ if environ is None else environ).get(pet_variable(name), "")
     return raw.strip().lower() not in ("0", "false", "no", "")
 
 
@@ -138,7 +138,7 @@ def read(
         elif environ.get(pet_variable(name), "") != "" and _OWN.get(name, "-") not in given:
             # A PET_ variable stands for an option not given; air_magic's own option, given, wins.
             raw = environ[pet_variable(name)]
-            values[name] = raw if takes_value else raw.strip().lower() not in ("0", "false", "no")
+            values[name] = raw if takes_value else flag_from_env(name, environ)
     if values.get("no-python") and values.get("module"):
         raise TorchrunUsageError("--no-python and --module: TARGET is either a program or a module")
     for name, value in values.items():
