@@ -26,84 +26,39 @@ The hook also hands ``mlflow.tracking.fluent`` to ``worker/metrics.py``, which
 makes per-step metric logging cheap. Importing mlflow costs seconds, so
 nothing here imports it.
 
-**Why a finder of our own, not wrapt's post-import hooks.** Tried:
-``wrapt.register_post_import_hook`` does the same job (it too patches after the
-module's ``exec_module``, before ``mlflow/__init__`` binds ``start_run`` and
-``log_metric``, and calls the hook at once for a module already imported), and
-passed both cases (mlflow preloaded by a warm starter, and imported later by
-the rank). Not used for its cost: the hook must be in place before the rank's
-code runs, so ``import wrapt`` cannot wait for mlflow's import, and wrapt 2.5
-imports its whole package (asyncio and importlib.metadata among it): 56-60 ms
-in a fresh interpreter, +33 ms on top of ``air_magic.worker.entry``, which
-itself takes 30-46 ms (wrapt 1.17: 9 ms, +2 ms; ``python -X importtime``, min
-and median of 15 runs, the 2-core CPU machine). Every cold rank and every warm
-starter would pay it, and every install would need one more dependency, to
-replace the 30 lines below. Also, wrapt 2 fires a module's hooks once per
-process and then forgets them; this finder patches a module each time it is
-executed. The finder and its loader are duck-typed: subclassing ``importlib.abc``
-would cost a rank about 7 ms of imports (importlib.resources, tempfile, shutil).
+Runs made through ``MlflowClient.create_run`` in a rank (Lightning's
+``MLFlowLogger``, user code with a client of its own) are children of the
+shared run too, so nothing a rank starts is a separate top-level run. And a
+Lightning ``MLFlowLogger()`` made as Lightning's docs show it (no
+experiment, run name or run id of its own) is a plain ``start_run()`` in
+Lightning's words: it logs into the call's run, as transformers' ``Trainer``
+and Accelerate's tracker do through ``MLFLOW_RUN_ID`` (docs/tracking.md,
+"Frameworks' MLflow").
+
+The patches are applied by ``worker/post_import.py`` as the modules are
+imported.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.machinery
 import os
 import sys
 import warnings
 from collections.abc import Callable, Iterator
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any
 
 from air_magic.protocol import env_names
 from air_magic.worker import metrics as rank_metrics
-
-if TYPE_CHECKING:
-    from importlib.abc import Loader
+from air_magic.worker import post_import
 
 
 def install() -> None:
-    if not os.environ.get(env_names.SHARED_RUN) or any(isinstance(f, _MlflowHook) for f in sys.meta_path):
-        return
-    for name, patch in _PATCHES.items():
-        if name in sys.modules:  # imported before the rank started (a warm starter's preload)
-            patch(sys.modules[name])
-    sys.meta_path.insert(0, _MlflowHook())
-
-
-class _MlflowHook:
-    """Patches a module of :data:`_PATCHES` right after it is imported (a meta path finder)."""
-
-    def find_spec(
-        self, fullname: str, path: Any, target: Any = None
-    ) -> importlib.machinery.ModuleSpec | None:
-        patch = _PATCHES.get(fullname)
-        if patch is None:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None and spec.loader is not None:
-                spec.loader = cast("Loader", _PatchingLoader(spec.loader, patch))
-                return spec
-        return None
-
-
-class _PatchingLoader:
-    """The module's own loader, then the patch."""
-
-    def __init__(self, loader: Any, patch: Callable[[ModuleType], None]):
-        self._loader = loader
-        self._patch = patch
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module: ModuleType) -> None:
-        self._loader.exec_module(module)
-        self._patch(module)
+    """Register the patches when the call has a shared run (tracking on)."""
+    if os.environ.get(env_names.SHARED_RUN):
+        post_import.register(_PATCHES)
 
 
 def _keep_shared_run_open(module: ModuleType) -> None:
@@ -121,6 +76,32 @@ def _keep_shared_run_open(module: ModuleType) -> None:
             os.environ["MLFLOW_RUN_ID"] = shared
 
     client_class.set_terminated = set_terminated
+    _make_created_runs_children(client_class)
+
+
+def _make_created_runs_children(client_class: Any) -> None:
+    """Wrap ``create_run``: a run a rank makes in the call's store is a child of the shared run.
+
+    Fluent ``start_run`` makes its runs through it too (when it does not resume one); a run
+    that already names a parent (``nested=True``, ``parent_run_id=``) keeps it.
+    """
+    original = client_class.create_run
+    shared = os.environ[env_names.SHARED_RUN]
+    shared_uri = os.environ.get("MLFLOW_TRACKING_URI")
+
+    @functools.wraps(original)
+    def create_run(
+        self: Any,
+        experiment_id: str,
+        start_time: int | None = None,
+        tags: dict[str, Any] | None = None,
+        run_name: str | None = None,
+    ) -> Any:
+        if (not shared_uri or self.tracking_uri == shared_uri) and "mlflow.parentRunId" not in (tags or {}):
+            tags = {**(tags or {}), "mlflow.parentRunId": shared}
+        return original(self, experiment_id, start_time, tags, run_name)
+
+    client_class.create_run = create_run
 
 
 def _patch_fluent(fluent: ModuleType) -> None:
@@ -195,8 +176,7 @@ def _start_own_runs_as_children(fluent: ModuleType) -> None:
             return original(**given)  # resumes the shared run (MLFLOW_RUN_ID)
         if own and active is not None and active.info.run_id == shared:
             given["nested"] = True  # the shared run is air_magic's, not the rank's: nest under it
-        elif own and active is None and same_store and parent_run_id is None:
-            given["tags"] = {**(tags or {}), "mlflow.parentRunId": shared}
+        # (With no run active, create_run makes the new run a child of the shared one.)
         with _hidden("MLFLOW_RUN_ID"):  # else MLflow would resume the shared run, whatever was asked
             return original(**given)
 
@@ -244,7 +224,38 @@ def _given(**arguments: Any) -> dict[str, Any]:
     return {name: value for name, value in arguments.items() if value is not None}
 
 
+def _lightning_logger_joins_shared_run(module: ModuleType) -> None:
+    """Wrap ``MLFlowLogger.__init__``: a plain logger logs into the call's run.
+
+    Plain: no ``experiment_name``, ``run_name`` or ``run_id``, and the call's store (or none
+    given). Lightning would make a new run in experiment "lightning_logs"; given the shared
+    run's id, it logs there and its ``finalize`` leaves the run to the launcher. A logger that
+    asks for a run of its own gets one, a child of the shared run (``create_run`` above). The
+    call's store is passed explicitly: Lightning reads ``MLFLOW_TRACKING_URI`` as a default
+    argument, when it is imported, which a warm starter's preload does before the call.
+    """
+    logger_class = module.MLFlowLogger
+    original = logger_class.__init__
+    shared = os.environ[env_names.SHARED_RUN]
+    shared_uri = os.environ.get("MLFLOW_TRACKING_URI")
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        own = args or any(kwargs.get(name) is not None for name in ("experiment_name", "run_name", "run_id"))
+        store = kwargs.get("tracking_uri")
+        if not own and (store is None or store == shared_uri):
+            kwargs["run_id"] = shared
+            if shared_uri:
+                kwargs["tracking_uri"] = shared_uri
+        original(self, *args, **kwargs)
+
+    logger_class.__init__ = __init__
+
+
+# Lightning ships the same logger in the ``lightning`` package and the older ``pytorch_lightning``.
 _PATCHES: dict[str, Callable[[ModuleType], None]] = {
     "mlflow.tracking.client": _keep_shared_run_open,
     "mlflow.tracking.fluent": _patch_fluent,
+    "lightning.pytorch.loggers.mlflow": _lightning_logger_joins_shared_run,
+    "pytorch_lightning.loggers.mlflow": _lightning_logger_joins_shared_run,
 }

@@ -60,8 +60,12 @@ def test_accelerates_own_scripts_pass_as_under_torchrun(tmp_path, name):
 
 @pytest.mark.parametrize(
     ("script", "package"),
-    [("lightning_ddp.py", "lightning"), ("transformers_trainer.py", "transformers")],
-    ids=["lightning-ddp", "transformers-trainer"],
+    [
+        ("lightning_ddp.py", "lightning"),
+        ("lightning_fabric.py", "lightning"),
+        ("transformers_trainer.py", "transformers"),
+    ],
+    ids=["lightning-ddp", "lightning-fabric", "transformers-trainer"],
 )
 def test_a_frameworks_trainer_gives_torchruns_final_weights(tmp_path, script, package):
     pytest.importorskip(package)  # here, not at collection: importing it costs seconds
@@ -86,3 +90,98 @@ def test_a_frameworks_trainer_gives_torchruns_final_weights(tmp_path, script, pa
         assert "Traceback" not in done.stderr, (how, done.stderr[-3000:])
         got = torch.load(out)
         assert all(torch.equal(got[k], expected[k]) for k in expected), (how, got, expected)
+
+
+@pytest.mark.fault(
+    "a Lightning strategy that starts processes of its own (ddp_spawn, ddp_notebook; Trainer or Fabric) "
+    "runs inside a rank",
+    'every rank fails at once naming strategy="ddp"; under torchrun it hangs',
+)
+@skip_unless_installed("lightning")
+@pytest.mark.parametrize(
+    ("script", "strategy", "options"),
+    [
+        ("lightning_ddp.py", "ddp_spawn", []),
+        ("lightning_ddp.py", "ddp_notebook", ["--no-warm-start"]),
+        ("lightning_fabric.py", "ddp_spawn", []),
+    ],
+    ids=["trainer-ddp_spawn-warm", "trainer-ddp_notebook-fresh", "fabric-ddp_spawn-warm"],
+)
+def test_a_lightning_strategy_that_starts_processes_fails_fast_naming_ddp(
+    tmp_path, script, strategy, options
+):
+    path = os.path.join(FRAMEWORKS, script)
+    done = invoke(
+        "run", "--no-tracking", *options, path, str(tmp_path / "out.pt"), str(tmp_path / "out"), strategy,
+        cwd=tmp_path, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr[-3000:]
+    said = done.stderr[-3000:]
+    assert "StrategyStartsProcesses" in said and 'use strategy="ddp"' in said, said
+    assert "raised on rank" in done.stderr  # the rank's own error, not a timeout or a hang
+
+
+@skip_unless_installed("deepspeed")
+def test_deepspeeds_init_distributed_on_gloo_never_imports_mpi4py(tmp_path):
+    import json
+
+    path = os.path.join(FRAMEWORKS, "deepspeed_gloo.py")
+
+    def facts(output: str) -> list[dict]:
+        lines = [line[line.index("{") :] for line in output.splitlines() if '"mpi4py"' in line]
+        return sorted((json.loads(line) for line in lines), key=lambda f: f["rank"])
+
+    # --tee gives each rank's line a prefix of its own: unprefixed, torchrun may join the two lines.
+    oracle = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--tee=3",
+         "--role=r", path],
+        cwd=tmp_path, env=environment(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert oracle.returncode == 0, oracle.stderr[-3000:]
+    expected = facts(oracle.stdout)
+    assert expected == [{"rank": r, "world": 2, "sum": 3.0, "mpi4py": False} for r in (0, 1)]
+    for how, options in {"warm": [], "fresh": ["--no-warm-start"]}.items():
+        done = invoke("run", "--no-tracking", *options, path, cwd=tmp_path, timeout=300)
+        assert done.returncode == 0, (how, done.stderr[-3000:])
+        assert facts(done.stdout + done.stderr) == expected, (how, done.stdout, done.stderr[-2000:])
+
+
+@pytest.mark.parametrize(
+    ("script", "package", "metric", "arguments"),
+    [
+        ("transformers_mlflow.py", "transformers", "loss", []),
+        ("accelerate_mlflow.py", "accelerate", "loss", []),
+        ("lightning_mlflow.py", "lightning", "train_loss", []),
+        ("lightning_mlflow.py", "lightning", "train_loss", ["chosen-by-the-logger"]),
+    ],
+    ids=[
+        "transformers-MLflowCallback",
+        "accelerate-tracker",
+        "lightning-MLFlowLogger",
+        "lightning-own-experiment",
+    ],
+)
+def test_a_frameworks_mlflow_logging_lands_in_the_calls_run(
+    store, tmp_path, script, package, metric, arguments
+):
+    """Each used as its docs say: the call's run gets the metrics, or (a logger asking for an
+    experiment of its own) a child of the call's run does; never a separate top-level run."""
+    pytest.importorskip(package)
+    done = invoke("run", "--experiment", "frameworks", os.path.join(FRAMEWORKS, script), *arguments,
+                  cwd=tmp_path, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    experiments = [e.experiment_id for e in store.search_experiments()]
+    runs = store.search_runs(experiments)
+    top = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    assert [r.info.run_name for r in top] == [script], [(r.info.run_name, r.data.tags) for r in runs]
+    call = top[0]
+    assert call.info.status == "FINISHED"  # the framework's own end of run did not end it early
+    children = [r for r in runs if r is not call]
+    assert all(r.data.tags["mlflow.parentRunId"] == call.info.run_id for r in children)
+    if arguments:  # the logger's own run, in its experiment, under the call's run
+        (child,) = children
+        assert store.get_experiment(child.info.experiment_id).name == arguments[0]
+        assert metric in child.data.metrics and child.info.status == "FINISHED", child
+    else:
+        assert metric in call.data.metrics, call.data.metrics
+        assert not children, children

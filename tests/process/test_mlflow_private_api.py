@@ -190,6 +190,29 @@ def test_mlflow_client_set_terminated_is_what_end_run_calls(store, tmp_path, mon
     )
 
 
+def test_mlflow_client_create_run_is_what_start_run_calls(store, tmp_path, monkeypatch):
+    """A run a rank makes is a child of the shared run: the hook patches ``create_run`` on the
+    class, which Lightning's logger calls and fluent ``start_run`` must go through."""
+    name = "mlflow.tracking.client.MlflowClient.create_run"
+    client_class = _api("mlflow.tracking.client.MlflowClient", "air_magic/worker/mlflow_hook.py")
+    _takes(client_class.create_run, name, "air_magic/worker/mlflow_hook.py", None, "0", None, {}, None)
+    _takes(client_class.create_run, name, "air_magic/worker/mlflow_hook.py", None, "0", tags={})
+    made = []
+    original = client_class.create_run
+
+    def create_run(self, experiment_id, start_time=None, tags=None, run_name=None):
+        made.append(experiment_id)
+        return original(self, experiment_id, start_time, tags, run_name)
+
+    monkeypatch.setattr(client_class, "create_run", create_run)
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/check.db")
+    with mlflow.start_run(run_name="x") as run:
+        pass
+    assert made == [run.info.experiment_id], (
+        f"{_who(name, 'air_magic/worker/mlflow_hook.py')}: start_run() does not call it"
+    )
+
+
 def test_fluent_is_where_mlflow_start_run_and_log_metric_live():
     """The hook patches ``mlflow.tracking.fluent`` as it is imported, before ``mlflow/__init__``
     binds these names: they must be fluent's own."""

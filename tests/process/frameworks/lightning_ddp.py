@@ -1,5 +1,6 @@
 """A Lightning Trainer with strategy="ddp" on 2 CPU ranks, seeded: rank 0 saves the final weights
-to argv[1]."""
+to argv[1]. argv[3], when given, is the strategy; argv[2] is unused (the runners pass an output
+folder)."""
 
 import sys
 
@@ -21,14 +22,14 @@ class Model(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
-def main(out):
+def main(out, folder=None, strategy="ddp"):
     L.seed_everything(0, verbose=False)
     x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
     model = Model()
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy="ddp",
+        strategy=strategy,
         max_epochs=2,
         logger=False,
         enable_progress_bar=False,
@@ -41,4 +42,4 @@ def main(out):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])
