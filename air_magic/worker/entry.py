@@ -41,7 +41,7 @@ import psutil
 
 from air_magic.protocol import env_names, serialization, wire
 from air_magic.protocol.stacks import STACKS_SIGNAL, stacks_path
-from air_magic.worker import framework_guards, live_stdout, targets
+from air_magic.worker import frameworks, live_stdout, targets
 from air_magic.worker import mlflow_hook as rank_mlflow
 
 # The rank group passes this to ``python -c``; argv[1] is the run directory.
@@ -76,7 +76,7 @@ def main(transport: wire.RankTransport) -> NoReturn:
     _watch_lifeline()
     live_stdout.start()  # buffers stdout only while the rank floods it
     rank_mlflow.install()  # only a hook: mlflow is patched if and when the rank imports it
-    framework_guards.install()  # and Lightning's own launchers
+    frameworks.install()  # and the frameworks air_magic adapts (worker/frameworks.py)
     rank = transport.rank
     stage = "load"
     try:

@@ -1,8 +1,8 @@
 """Inside a rank: patch a third-party module right after it is imported (a meta path finder).
 
 The rank's own hooks register here before the user's code runs: ``worker/mlflow_hook.py``
-(MLflow's run handling, Lightning's MLflow logger) and ``worker/framework_guards.py``
-(frameworks' own process launchers). A module that is already imported (a warm starter's
+(MLflow's run handling, Lightning's MLflow logger) and ``worker/frameworks.py``
+(Lightning's launchers, Accelerate's state per cell). A module that is already imported (a warm starter's
 preload) is patched at once; any other when, and only when, the rank imports it: nothing here
 imports a framework.
 

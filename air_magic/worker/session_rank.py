@@ -36,7 +36,7 @@ from typing import Any
 import psutil
 
 from air_magic.protocol import env_names, serialization, wire
-from air_magic.worker import cell_runner, entry, live_stdout
+from air_magic.worker import cell_runner, entry, frameworks, live_stdout
 
 # The rank's globals for cells, kept from one cell to the next.
 _namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
@@ -88,6 +88,7 @@ class _CellFiles:
 
 def _run_cell(call_dir: str, rank: int, cell: int) -> bool:
     files = _CellFiles(call_dir, rank, cell)
+    frameworks.new_cell()
     stage = "load"
     # SIGINT raises KeyboardInterrupt from here to the cell's end (Python's own handler: no frame of
     # ours in the traceback), loading included; outside a cell it is ignored, so one that comes as a

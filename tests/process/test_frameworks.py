@@ -185,3 +185,43 @@ def test_a_frameworks_mlflow_logging_lands_in_the_calls_run(
     else:
         assert metric in call.data.metrics, call.data.metrics
         assert not children, children
+
+
+_FIRST_ACCELERATOR = """
+import os, torch
+from accelerate import Accelerator
+first = Accelerator()
+model = torch.nn.Linear(4, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+model, optimizer = first.prepare(model, optimizer)
+first.mixed_precision, first.num_processes
+"""
+_SECOND_ACCELERATOR = """
+second = Accelerator(mixed_precision="bf16", gradient_accumulation_steps=2)
+second.mixed_precision, second.gradient_accumulation_steps, second.num_processes
+"""
+_FIRST_STILL_WORKS = """
+first.backward(model(torch.ones(2, 4)).sum())
+optimizer.step()
+gathered = first.gather(torch.tensor([first.process_index])).tolist()
+first.mixed_precision, first.gradient_accumulation_steps, gathered
+"""
+_ONE_CELL_SHARES = """
+a, b = Accelerator(), Accelerator()
+a.state.__dict__ is b.state.__dict__ and a.state.__dict__ is not second.state.__dict__
+"""
+
+
+@skip_unless_installed("accelerate")
+@pytest.mark.parametrize("warm", [True, False], ids=["warm", "fresh"])
+def test_a_session_cell_may_build_a_new_accelerator(warm):
+    """Accelerate's per-process state would refuse a second Accelerator with another
+    mixed_precision ("restart your runtime"); in a session each cell's first one starts afresh,
+    the earlier cells' objects keep working, and Accelerators of one cell share the state."""
+    import air_magic
+
+    with air_magic.session(num_accelerators=2, display="none", tracking=False, warm_start=warm) as s:
+        assert s.run_cell(_FIRST_ACCELERATOR) == [("no", 2)] * 2
+        assert s.run_cell(_SECOND_ACCELERATOR) == [("bf16", 2, 2)] * 2
+        assert s.run_cell(_FIRST_STILL_WORKS) == [("no", 1, [0, 1])] * 2
+        assert s.run_cell(_ONE_CELL_SHARES) == [True] * 2
