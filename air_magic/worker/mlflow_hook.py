@@ -32,8 +32,8 @@ shared run too, so nothing a rank starts is a separate top-level run. And a
 Lightning ``MLFlowLogger()`` made as Lightning's docs show it (no
 experiment, run name or run id of its own) is a plain ``start_run()`` in
 Lightning's words: it logs into the call's run, as transformers' ``Trainer``
-and Accelerate's tracker do through ``MLFLOW_RUN_ID`` (docs/tracking.md,
-"Frameworks' MLflow").
+and Accelerate's tracker do through ``MLFLOW_RUN_ID`` (docs/torchrun.md,
+"Frameworks' MLflow logging").
 
 The patches are applied by ``worker/post_import.py`` as the modules are
 imported.

@@ -15,3 +15,6 @@ DOCS = REPO / "docs"
 def script(name: str) -> str:
     """The path of a caller script in tests/helpers (run as its own process)."""
     return str(HELPERS / name)
+
+
+FRAMEWORKS = TESTS / "process" / "frameworks"  # framework training files, run unchanged

@@ -17,8 +17,10 @@ import sys
 import pytest
 from helpers.cli import environment, invoke
 from helpers.modules import skip_unless_installed
+from helpers.oracle import torchrun_weights
+from helpers.paths import FRAMEWORKS as FRAMEWORK_FILES
 
-FRAMEWORKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "frameworks")
+FRAMEWORKS = str(FRAMEWORK_FILES)
 
 SCRIPTS = ("test_ops", "test_sync", "test_script")
 
@@ -67,18 +69,12 @@ def test_accelerates_own_scripts_pass_as_under_torchrun(tmp_path, name):
     ],
     ids=["lightning-ddp", "lightning-fabric", "transformers-trainer"],
 )
-def test_a_frameworks_trainer_gives_torchruns_final_weights(tmp_path, script, package):
+def test_a_frameworks_trainer_gives_torchruns_final_weights(tmp_path, tmp_path_factory, script, package):
     pytest.importorskip(package)  # here, not at collection: importing it costs seconds
     import torch
 
     path = os.path.join(FRAMEWORKS, script)
-    oracle = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", path,
-         str(tmp_path / "torchrun.pt"), str(tmp_path / "out-torchrun")],
-        cwd=tmp_path, env=environment(), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert oracle.returncode == 0, oracle.stderr[-3000:]
-    expected = torch.load(tmp_path / "torchrun.pt")
+    expected = torchrun_weights(tmp_path_factory, script)
     for how, options in {"warm": [], "fresh": ["--no-warm-start"]}.items():
         out = tmp_path / f"{how}.pt"
         done = invoke(
@@ -153,20 +149,27 @@ def test_deepspeeds_init_distributed_on_gloo_never_imports_mpi4py(tmp_path):
         ("accelerate_mlflow.py", "accelerate", "loss", []),
         ("lightning_mlflow.py", "lightning", "train_loss", []),
         ("lightning_mlflow.py", "lightning", "train_loss", ["chosen-by-the-logger"]),
+        ("lightning_mlflow.py", "lightning", "train_loss", ["preloaded"]),
     ],
     ids=[
         "transformers-MLflowCallback",
         "accelerate-tracker",
         "lightning-MLFlowLogger",
         "lightning-own-experiment",
+        "lightning-preloaded",
     ],
 )
 def test_a_frameworks_mlflow_logging_lands_in_the_calls_run(
-    store, tmp_path, script, package, metric, arguments
+    store, tmp_path, monkeypatch, script, package, metric, arguments
 ):
     """Each used as its docs say: the call's run gets the metrics, or (a logger asking for an
-    experiment of its own) a child of the call's run does; never a separate top-level run."""
+    experiment of its own) a child of the call's run does; never a separate top-level run.
+    "preloaded": the warm starter imported Lightning before the call, so Lightning's default
+    tracking URI (read when it is imported) is not the call's store."""
     pytest.importorskip(package)
+    if arguments == ["preloaded"]:
+        monkeypatch.setenv("AIR_MAGIC_PRELOAD", "torch,lightning")
+        arguments = []
     done = invoke("run", "--experiment", "frameworks", os.path.join(FRAMEWORKS, script), *arguments,
                   cwd=tmp_path, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
