@@ -39,7 +39,7 @@ from air_magic.worker import post_import
 _STRATEGIES = {
     "spawn": '"ddp_spawn"',
     "fork": '"ddp_fork" / "ddp_notebook"',
-    "forkserver": '"ddp_forkserver"',
+    "forkserver": 'DDPStrategy(start_method="forkserver")',
 }
 
 
@@ -53,8 +53,10 @@ def new_cell() -> None:
 
 
 def install() -> None:
+    """Register the patches (applied when, and if, the rank imports each module)."""
     post_import.register(
         {
+            "accelerate.state": _remember_the_process_state,
             "accelerate.accelerator": _fresh_accelerate_state_per_cell,
             # The ``lightning`` package and the older standalone ones ship the same launcher.
             "lightning.pytorch.strategies.launchers.multiprocessing": _refuse_to_start_processes,
@@ -70,6 +72,7 @@ class StrategyStartsProcesses(RuntimeError):
 
 
 def _refuse_to_start_processes(module: ModuleType) -> None:
+    """Make Lightning's ``_MultiProcessingLauncher.launch`` raise, before it starts anything."""
     launcher_class = module._MultiProcessingLauncher
     original = launcher_class.launch
 
@@ -80,14 +83,35 @@ def _refuse_to_start_processes(module: ModuleType) -> None:
         raise StrategyStartsProcesses(
             f"Lightning's strategy {strategy} starts processes of its own, but this process is "
             f"already rank {os.environ.get('RANK')} of {os.environ.get('WORLD_SIZE')} that air_magic "
-            'started (one per device): use strategy="ddp", which joins these ranks as it joins '
-            "torchrun's. (Those processes would share this rank's RANK and wait for ever.)"
+            'started (one per device): use strategy="ddp" (or "ddp_find_unused_parameters_true"), '
+            "which joins these ranks as it joins torchrun's. (Those processes would share this "
+            "rank's RANK and wait for ever.)"
         )
 
     launcher_class.launch = launch
 
 
+# What PartialState itself found for this process (DistributedType.MULTI_CPU, MULTI_GPU...): an
+# Accelerator with a plugin (FSDP, DeepSpeed, Megatron) overwrites it in PartialState's dict.
+_process_distributed_type: list[Any] = []
+
+
+def _remember_the_process_state(module: ModuleType) -> None:
+    """Wrap ``PartialState.__init__``: note the distributed type it finds, the first time."""
+    partial_class = module.PartialState
+    original = partial_class.__init__
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        if not _process_distributed_type and getattr(self, "distributed_type", None) is not None:
+            _process_distributed_type.append(self.distributed_type)
+
+    partial_class.__init__ = __init__
+
+
 def _fresh_accelerate_state_per_cell(module: ModuleType) -> None:
+    """Wrap ``Accelerator.__init__``: the first one of a later session cell starts afresh."""
     accelerator_class = module.Accelerator
     original = accelerator_class.__init__
     made_in: list[int] = []  # the cell whose Accelerator made the current state
@@ -103,9 +127,13 @@ def _fresh_accelerate_state_per_cell(module: ModuleType) -> None:
 
 
 def _replace_state(state: ModuleType) -> None:
+    """New, empty shared dicts for AcceleratorState and GradientState; PartialState as it found itself."""
     for name in ("AcceleratorState", "GradientState"):
         holder = getattr(state, name)
-        if type(holder.__dict__.get("_shared_state")) is dict:
+        shared = holder.__dict__.get("_shared_state")
+        if type(shared) is dict:
             holder._shared_state = {}
-        else:  # a descriptor (Accelerate's thread-local dict, on TPUs): assigning replaces it
-            holder._reset_state()
+        else:  # Accelerate's thread-local descriptor (TPUs): its storage, the descriptor kept
+            shared._storage = {}
+    if _process_distributed_type:
+        state.PartialState._shared_state["distributed_type"] = _process_distributed_type[0]

@@ -46,7 +46,7 @@ import functools
 import os
 import sys
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
@@ -242,18 +242,17 @@ def _lightning_logger_joins_shared_run(module: ModuleType) -> None:
     @functools.wraps(original)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         own = args or any(kwargs.get(name) is not None for name in ("experiment_name", "run_name", "run_id"))
-        store = kwargs.get("tracking_uri")
-        if not own and (store is None or store == shared_uri):
+        if kwargs.get("tracking_uri") is None and len(args) < 3 and shared_uri:
+            kwargs["tracking_uri"] = shared_uri  # what importing Lightning in the rank would have read
+        if not own and kwargs.get("tracking_uri") in (None, shared_uri):
             kwargs["run_id"] = shared
-            if shared_uri:
-                kwargs["tracking_uri"] = shared_uri
         original(self, *args, **kwargs)
 
     logger_class.__init__ = __init__
 
 
 # Lightning ships the same logger in the ``lightning`` package and the older ``pytorch_lightning``.
-_PATCHES: dict[str, Callable[[ModuleType], None]] = {
+_PATCHES: dict[str, post_import.Patch] = {
     "mlflow.tracking.client": _keep_shared_run_open,
     "mlflow.tracking.fluent": _patch_fluent,
     "lightning.pytorch.loggers.mlflow": _lightning_logger_joins_shared_run,

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import importlib.machinery
 import sys
+import warnings
 from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, cast
@@ -48,7 +49,7 @@ def register(patches: Mapping[str, Patch]) -> None:
             continue
         registered.append(patch)
         if name in sys.modules:  # imported before the rank started (a warm starter's preload)
-            patch(sys.modules[name])
+            _apply(patch, sys.modules[name])
     if not any(isinstance(f, _PostImportFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, _PostImportFinder())
 
@@ -85,4 +86,20 @@ class _PatchingLoader:
     def exec_module(self, module: ModuleType) -> None:
         self._loader.exec_module(module)
         for patch in self._patches:
-            patch(module)
+            _apply(patch, module)
+
+    def __getattr__(self, name: str) -> Any:  # get_source, is_package, resource readers...
+        return getattr(self._loader, name)
+
+
+def _apply(patch: Patch, module: ModuleType) -> None:
+    """A patch that fails (another version of the package) leaves the module as it was, said once."""
+    try:
+        patch(module)
+    except Exception as exc:  # noqa: BLE001 - the user's import must still work
+        warnings.warn(
+            f"air_magic could not adapt {module.__name__} ({type(exc).__name__}: {exc}); "
+            "it runs as its package made it",
+            RuntimeWarning,
+            stacklevel=2,
+        )

@@ -53,6 +53,7 @@ def _pasted(script):
     return source.split('\nif __name__ == "__main__":')[0]
 
 
+@pytest.mark.timeout(600)  # three trainers, eight calls, the oracles: about 50 s alone, more under load
 def test_trainers_pasted_into_a_notebook_give_torchruns_final_weights(kernel, tmp_path, tmp_path_factory):
     """One kernel for the three (a kernel and its starter's preload cost seconds each)."""
     for script in TRAINERS:
@@ -97,6 +98,7 @@ def _value(kernel, code):
     return ast.literal_eval(values[0])
 
 
+@pytest.mark.timeout(600)  # DeepSpeed's first use compiles its CPU op (about 25 s)
 def test_accelerates_own_script_and_deepspeed_in_a_notebook(kernel):
     """Accelerate's test_ops (its own multi-process checks) as a cell and through the decorator;
     DeepSpeed's init_distributed on gloo likewise, where DeepSpeed is installed."""

@@ -34,6 +34,7 @@ def _script(name: str) -> str:
 
 
 @skip_unless_installed("accelerate")
+@pytest.mark.timeout(400)  # torchrun and three runs of Accelerate's checks
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_accelerates_own_scripts_pass_as_under_torchrun(tmp_path, name):
     path = _script(name)
@@ -118,6 +119,7 @@ def test_a_lightning_strategy_that_starts_processes_fails_fast_naming_ddp(
 
 
 @skip_unless_installed("deepspeed")
+@pytest.mark.timeout(400)  # DeepSpeed's first use compiles its CPU op (about 25 s)
 def test_deepspeeds_init_distributed_on_gloo_never_imports_mpi4py(tmp_path):
     import json
 
@@ -143,33 +145,32 @@ def test_deepspeeds_init_distributed_on_gloo_never_imports_mpi4py(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("script", "package", "metric", "arguments"),
+    ("script", "package", "metric", "arguments", "preload"),
     [
-        ("transformers_mlflow.py", "transformers", "loss", []),
-        ("accelerate_mlflow.py", "accelerate", "loss", []),
-        ("lightning_mlflow.py", "lightning", "train_loss", []),
-        ("lightning_mlflow.py", "lightning", "train_loss", ["chosen-by-the-logger"]),
-        ("lightning_mlflow.py", "lightning", "train_loss", ["preloaded"]),
+        ("transformers_mlflow.py", "transformers", "loss", [], None),
+        ("accelerate_mlflow.py", "accelerate", "loss", [], None),
+        ("lightning_mlflow.py", "lightning", "train_loss", [], None),
+        ("lightning_mlflow.py", "lightning", "train_loss", [], "torch,lightning"),
+        ("lightning_mlflow.py", "lightning", "train_loss", ["chosen-by-the-logger"], "torch,lightning"),
     ],
     ids=[
         "transformers-MLflowCallback",
         "accelerate-tracker",
         "lightning-MLFlowLogger",
-        "lightning-own-experiment",
         "lightning-preloaded",
+        "lightning-own-experiment-preloaded",
     ],
 )
 def test_a_frameworks_mlflow_logging_lands_in_the_calls_run(
-    store, tmp_path, monkeypatch, script, package, metric, arguments
+    store, tmp_path, monkeypatch, script, package, metric, arguments, preload
 ):
     """Each used as its docs say: the call's run gets the metrics, or (a logger asking for an
     experiment of its own) a child of the call's run does; never a separate top-level run.
     "preloaded": the warm starter imported Lightning before the call, so Lightning's default
     tracking URI (read when it is imported) is not the call's store."""
     pytest.importorskip(package)
-    if arguments == ["preloaded"]:
-        monkeypatch.setenv("AIR_MAGIC_PRELOAD", "torch,lightning")
-        arguments = []
+    if preload:
+        monkeypatch.setenv("AIR_MAGIC_PRELOAD", preload)
     done = invoke("run", "--experiment", "frameworks", os.path.join(FRAMEWORKS, script), *arguments,
                   cwd=tmp_path, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -213,6 +214,12 @@ _ONE_CELL_SHARES = """
 a, b = Accelerator(), Accelerator()
 a.state.__dict__ is b.state.__dict__ and a.state.__dict__ is not second.state.__dict__
 """
+# What an Accelerator with an FSDP or DeepSpeed plugin does to the process's state (GPUs only).
+_PLUGIN_OVERWRITES_THE_TYPE = """
+from accelerate.state import PartialState
+from accelerate.utils import DistributedType
+a.state.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+"""
 
 
 @skip_unless_installed("accelerate")
@@ -228,3 +235,5 @@ def test_a_session_cell_may_build_a_new_accelerator(warm):
         assert s.run_cell(_SECOND_ACCELERATOR) == [("bf16", 2, 2)] * 2
         assert s.run_cell(_FIRST_STILL_WORKS) == [("no", 1, [0, 1])] * 2
         assert s.run_cell(_ONE_CELL_SHARES) == [True] * 2
+        s.run_cell(_PLUGIN_OVERWRITES_THE_TYPE)
+        assert s.run_cell("Accelerator().distributed_type.value") == ["MULTI_CPU"] * 2

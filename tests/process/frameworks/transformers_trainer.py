@@ -42,6 +42,7 @@ def main(out, folder):
     trainer.train()
     if trainer.is_world_process_zero():
         torch.save(model.layer.state_dict(), out)
+    torch.distributed.destroy_process_group()  # else gloo may abort at exit (seen under torchrun)
 
 
 if __name__ == "__main__":
