@@ -2,8 +2,9 @@
 
 Ranks append each ``mlflow.log_metric`` as a line to their own file
 (worker/metrics.py). A thread here reads the new complete lines of every file
-each :data:`INTERVAL_S` and writes them with ``MlflowClient.log_batch``, up to
-:data:`BATCH` metrics per request; :meth:`MetricWriter.close` does a last pass
+each :data:`INTERVAL_S` and writes them through the store's sink
+(``tracking/metric_rows.py``: straight into MLflow's tables of a sqlite store,
+else ``MlflowClient.log_batch``); :meth:`MetricWriter.close` does a last pass
 after the ranks are gone, before the run is ended.
 
 Why one writer in the caller rather than each rank batching for itself:
@@ -27,13 +28,20 @@ import warnings
 from typing import Any
 
 from air_magic.threads import start_in_context
+from air_magic.tracking import metric_rows
 
 INTERVAL_S = 0.5  # metrics reach the store (and the UI) within about this much, plus a batch's write
-BATCH = 1000  # MLflow's limit of metrics in one log_batch request
 
 
 class MetricWriter:
-    def __init__(self, client: Any, run_id: str, directory: str, interval_s: float = INTERVAL_S):
+    def __init__(
+        self,
+        client: Any,
+        run_id: str,
+        directory: str,
+        interval_s: float = INTERVAL_S,
+        sink: metric_rows.Sink | None = None,
+    ):
         self.client = client
         self.run_id = run_id
         self.directory = directory
@@ -41,7 +49,8 @@ class MetricWriter:
         self.written = 0
         self._offsets: dict[str, int] = {}
         self._partial: dict[str, bytes] = {}
-        self._pending: list[Any] = []
+        self._pending: list[metric_rows.Row] = []
+        self._sink = sink  # else chosen at the first write (which imports MLflow)
         self._stop = threading.Event()
         self._lock = threading.Lock()  # one pass at a time: the thread's and close()'s
         self._warned = False
@@ -79,21 +88,21 @@ class MetricWriter:
 
     def write_pass(self) -> bool:
         """Read new lines and write them; False when the store refused a batch (they stay pending)."""
-        from mlflow.entities import Metric
-
         with self._lock:
             for name in sorted(os.listdir(self.directory)) if os.path.isdir(self.directory) else []:
                 for line in self._new_lines(os.path.join(self.directory, name)):
                     try:
                         key, value, timestamp, step = line.split("\t")
-                        self._pending.append(Metric(key, float(value), int(timestamp), int(step)))
+                        self._pending.append((key, float(value), int(timestamp), int(step)))
                     except ValueError:
                         # A line's start names it in the warning; a garbled line may be long.
                         self._warn(f"skipped a line that is not a metric: {line[:80]!r}")
             while self._pending:
-                batch = self._pending[:BATCH]
+                if self._sink is None:
+                    self._sink = metric_rows.sink_for(self.client, self.run_id)
+                batch = self._pending[: self._sink.batch]
                 try:
-                    self.client.log_batch(self.run_id, metrics=batch)
+                    self._sink.write(batch)
                 except Exception as exc:  # noqa: BLE001 - kept and retried; training goes on
                     self._warn(f"writing metrics to MLflow run {self.run_id} failed (will retry): {exc}")
                     return False

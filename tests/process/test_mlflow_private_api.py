@@ -213,6 +213,49 @@ def test_mlflow_client_create_run_is_what_start_run_calls(store, tmp_path, monke
     )
 
 
+def test_metric_rows_written_into_sqlite_tables_read_back_as_log_batchs(store, tmp_path):
+    """The caller writes the ranks' metric rows straight into MLflow's tables of a sqlite store
+    (air_magic/tracking/metric_rows.py): MLflow must read them back exactly as it reads the same
+    rows written by its own ``log_batch``: histories, latest values, NaN, infinities, duplicates."""
+    from mlflow.tracking import MlflowClient
+
+    from air_magic.tracking import metric_rows
+
+    used_in = "air_magic/tracking/metric_rows.py"
+    client = MlflowClient(f"sqlite:///{tmp_path}/rows.db")
+    sink = metric_rows.sink_for(client, "unused")
+    assert isinstance(sink, metric_rows.SqliteRows), f"{_who('SqlAlchemyStore.engine', used_in)}: not found"
+    experiment = client.create_experiment("rows", artifact_location=(tmp_path / "a").as_uri())
+    ours, theirs = (client.create_run(experiment).info.run_id for _ in range(2))
+    t = 1_700_000_000_000
+    nan, inf = float("nan"), float("inf")
+    writes = [  # each a pass of the writer; the latest value moves (or not) across them
+        [("loss", 0.5, t, 0), ("loss", 0.25, t + 1, 1), ("loss", 0.25, t + 1, 1), ("acc", nan, t, 0),
+         ("lr", 0.1, t, 7)],
+        [("loss", 0.75, t + 5, 1), ("acc", inf, t, 1), ("lr", 0.05, t, 7)],  # later; same step, lower
+        [("loss", 0.1, t + 2, 3), ("loss", 0.9, t + 3, 2), ("acc", -inf, t, 2), ("acc", nan, t + 9, 2),
+         ("lr", 0.2, t, 7)],  # a step further; out of order; NaN after -inf at a step; higher value
+        [("loss", 0.3, t, 0), ("acc", 0.5, t + 9, 2)],  # older; equal step and time: 0.5 > the 0 of NaN
+    ]  # fmt: skip
+    for rows in writes:
+        metric_rows.SqliteRows(sink.engine, ours).write(rows)
+        metric_rows.LogBatch(client, theirs).write(rows)
+
+    def history(run_id, key):
+        return sorted(
+            (m.step, m.timestamp, repr(m.value))  # repr: NaN equals NaN, and sorts
+            for m in client.get_metric_history(run_id, key)
+        )
+
+    for key in ("loss", "acc", "lr"):
+        assert history(ours, key) == history(theirs, key), (key, f"{_who('metrics table', used_in)}")
+    latest = [client.get_run(r).data.metrics for r in (ours, theirs)]
+    assert str(latest[0]) == str(latest[1]), f"{_who('latest_metrics table', used_in)}: {latest}"
+    assert latest[0] == {"loss": 0.1, "acc": 0.5, "lr": 0.2}, latest
+    found = client.search_runs([experiment], "metrics.loss > 0.05")
+    assert sorted(r.info.run_id for r in found) == sorted([ours, theirs])
+
+
 def test_fluent_is_where_mlflow_start_run_and_log_metric_live():
     """The hook patches ``mlflow.tracking.fluent`` as it is imported, before ``mlflow/__init__``
     binds these names: they must be fluent's own."""
