@@ -289,6 +289,27 @@ def test_a_stop_asks_with_the_calls_grace_and_signal():
     assert {state for state, _ in call.recorder.exits().values()} == {RankState.KILLED}
 
 
+@pytest.mark.fault(
+    "rank 737 of 1,000 (125 nodes of 8) raises while every rank prints",
+    "rank 737 is the root cause; the 999 others are stopped by air_magic",
+)
+def test_a_rank_failing_among_a_thousand_is_the_root_cause():
+    world, failing = 1000, 737
+    script: list[tuple[int, object]] = [
+        (r // 8, Output(r, "stdout", b"step 1 loss 0.5\n" * 10)) for r in range(world)
+    ]
+    script += [
+        (failing // 8, Raised(failing, record(failing, 5.0, DivergedError("nan at step 1")))),
+        (failing // 8, exited(failing, 1, 5.1)),
+    ]
+    call = ScriptedCall(request(world), script, per_node=[8] * 125)
+    result = call.execute()
+    assert isinstance(result.error, DivergedError) and call.ledger.failed_rank == failing
+    exits = call.recorder.exits()
+    assert exits.pop(failing) == (RankState.FAILED, "raised an exception")
+    assert set(exits.values()) == {(RankState.KILLED, "stopped by air_magic")} and len(exits) == world - 1
+
+
 def test_a_lost_node_is_an_own_failure_and_its_ranks_are_named_together():
     gloo = RuntimeError("gloo: Connection closed by peer")
     script = [
