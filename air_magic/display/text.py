@@ -3,11 +3,20 @@
 Used in an IPython terminal, a script, and any frontend without widgets.
 Output is split into lines per rank and stream; a carriage-return redraw
 (tqdm) shows only its final state, and a line is printed once complete.
+
+**Many ranks** (more than :data:`MANY_RANKS`, and no ranks chosen): a console
+with every rank's lines is unreadable at 64 ranks and floods at 1,000. Then
+the console shows rank 0's output live; each other rank keeps only the tail
+of its output here (:data:`TAIL_CHARS`), printed at the end if that rank is
+the root cause (the rank that failed first: at 1,000 ranks its peers' own
+failures, "connection reset by peer", follow by hundreds); the others are
+counted by how they ended, not listed. Every rank's whole output is in its log.
 """
 
 from __future__ import annotations
 
 import sys
+from collections import Counter
 from typing import TextIO
 
 from air_magic.protocol.events import (
@@ -21,6 +30,9 @@ from air_magic.protocol.events import (
     SessionState,
 )
 from air_magic.protocol.lines import LineSplitter, visible
+
+MANY_RANKS = 16  # past this, the console shows rank 0 and failing ranks only (see above)
+TAIL_CHARS = 2000  # what is kept of a hidden rank's output, to print if it fails
 
 _cpu_mode_said = False
 _COLOURS = (36, 33, 35, 32, 34, 31, 96, 93, 95, 92, 94, 91)  # ANSI foreground codes, one per rank
@@ -43,6 +55,9 @@ class TextDisplay:
         self._err = err
         self._splitters: dict[tuple[int, str], LineSplitter] = {}
         self._width = prefix_width
+        self._summary = False  # many ranks: rank 0 live, failing ranks' tails, counts at the end
+        self._tails: dict[int, str] = {}
+        self._ended: Counter[str] = Counter()
 
     def set_record(self, record: RecordLink | None) -> None:
         """The call's MLflow run, known once it exists (before the ranks start)."""
@@ -62,7 +77,9 @@ class TextDisplay:
             self._started(event)
         elif isinstance(event, RankExited):
             self._flush_rank(event.rank)
-            if event.state is not RankState.SUCCEEDED:
+            if self._summary:
+                self._exited_among_many(event)
+            elif event.state is not RankState.SUCCEEDED:
                 self._note(f"rank {event.rank} {event.state.value}: {event.reason}")
         elif isinstance(event, SessionState):
             if event.cells == 0:  # the session's start; each cell's tabs show it in their header
@@ -70,6 +87,10 @@ class TextDisplay:
         elif isinstance(event, RunFinished):
             for rank in sorted({r for r, _ in self._splitters}):
                 self._flush_rank(rank)
+            if self._summary:
+                self._root_cause_tail(event.failed_rank)
+                counts = ", ".join(f"{n} {how}" for how, n in self._ended.most_common())
+                self._note(f"ranks: {counts}")
             self._note(f"{event.outcome} in {event.elapsed:.1f} s; logs: {event.log_dir}")
 
     def _started(self, event: RunStarted) -> None:
@@ -84,11 +105,35 @@ class TextDisplay:
         elif not event.cpu_mode:
             where += f" on {event.detected}"
         self._note(f"running {event.name} on {where}")
+        if self._ranks is None and event.world_size > MANY_RANKS:
+            self._summary = True
+            self._ranks = {0}
+            self._note(
+                f"{event.world_size} ranks: the console shows rank 0's output, and the last lines "
+                f"of the rank that fails first; every rank's output is in its log ({event.log_dir})"
+            )
         if self._record is not None:
             self._note(self._record.description)
 
+    def _exited_among_many(self, event: RankExited) -> None:
+        """Many ranks: counted by how they ended; a failed rank's tail kept until the root cause is known."""
+        killed = event.state is RankState.KILLED
+        self._ended[f"killed ({event.reason})" if killed else event.state.value] += 1
+        if event.state is not RankState.FAILED:
+            self._tails.pop(event.rank, None)
+
+    def _root_cause_tail(self, rank: int | None) -> None:
+        """Many ranks: the last lines of the rank that failed first (its peers' failures followed)."""
+        tail = self._tails.pop(rank, "").rstrip("\n") if rank is not None else ""
+        if rank is not None and rank != 0:  # rank 0's lines were shown as they came
+            self._note(f"rank {rank} failed first; its last lines:")
+            if tail:
+                self._write(rank, "stderr", "\n".join(tail.split("\n")[-20:]))
+
     def _output(self, event: RankOutput) -> None:
         if self._ranks is not None and event.rank not in self._ranks:
+            if self._summary:  # kept short, for the case it fails
+                self._tails[event.rank] = (self._tails.get(event.rank, "") + event.text)[-TAIL_CHARS:]
             return
         splitter = self._splitters.setdefault((event.rank, event.stream), LineSplitter())
         block = splitter.feed_block(event.text)
