@@ -98,11 +98,10 @@ def test_a_frameworks_trainer_gives_torchruns_final_weights(tmp_path, tmp_path_f
 @pytest.mark.parametrize(
     ("script", "strategy", "options"),
     [
-        ("lightning_ddp.py", "ddp_spawn", []),
-        ("lightning_ddp.py", "ddp_notebook", ["--no-warm-start"]),
-        ("lightning_fabric.py", "ddp_spawn", []),
+        ("lightning_ddp.py", "ddp_spawn", []),  # the Trainer's launcher, spawning
+        ("lightning_fabric.py", "ddp_notebook", ["--no-warm-start"]),  # Fabric's, forking
     ],
-    ids=["trainer-ddp_spawn-warm", "trainer-ddp_notebook-fresh", "fabric-ddp_spawn-warm"],
+    ids=["trainer-ddp_spawn-warm", "fabric-ddp_notebook-fresh"],
 )
 def test_a_lightning_strategy_that_starts_processes_fails_fast_naming_ddp(
     tmp_path, script, strategy, options
