@@ -59,7 +59,8 @@ def measure(ranks: int, lines: int, metrics: int, display: str) -> dict[str, flo
     run_id = air_magic.last_run().mlflow_run_id
     engine = MlflowClient(paths.embedded_mlflow_uri())._tracking_client.store.engine
     with engine.connect() as connection:
-        count = "SELECT COUNT(*) FROM metrics WHERE run_uuid = ? AND key LIKE 'loss_rank%'"  # not system metrics
+        # The ranks' rows only: a long call also samples system metrics into the run.
+        count = "SELECT COUNT(*) FROM metrics WHERE run_uuid = ? AND key LIKE 'loss_rank%'"
         rows = connection.exec_driver_sql(count, (run_id,)).scalar()
     return {
         "ranks": ranks,
