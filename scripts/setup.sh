@@ -42,4 +42,14 @@ fi
 # rank, caller and starter would compile its modules again (0.1 s of CPU a process, measured).
 # Python checks each .pyc against its source, so an edited module is still read from the source.
 "$venv/bin/python" -m compileall -q air_magic
+# DeepSpeed (the test extra) compiles its shared-memory CPU op with ninja the first time a process
+# calls init_distributed on the CPU (about 25 s, then cached in ~/.cache/torch_extensions): built
+# here, with the rest of the install, rather than inside the first test that touches it.
+if "$venv/bin/python" -c "import deepspeed" >/dev/null 2>&1 \
+    && ! command -v nvidia-smi >/dev/null 2>&1; then
+    "$venv/bin/python" -c "
+from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+ShareMemCommBuilder().load(verbose=False)" >/dev/null 2>&1 \
+        || echo "setup: DeepSpeed's CPU op was not built here (its first use builds it)"
+fi
 echo "setup: ready in $venv ($("$venv/bin/python" -c 'import torch; print("torch", torch.__version__)'))"
