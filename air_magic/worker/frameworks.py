@@ -18,7 +18,8 @@ what a new call gives: so the first ``Accelerator`` built in a later cell starts
 state. The old state's dict is replaced, not cleared: objects of the earlier cells (an
 ``Accelerator``, its prepared optimizer and data loaders) keep theirs and still work; Accelerate's
 helpers that look the state up afresh see the newest, as in one script that builds a second
-``Accelerator``. ``PartialState`` (rank, device, process group) is kept: it cannot change.
+``Accelerator``. ``PartialState`` (rank, device, process group) is kept, with the distributed
+type it found for the process (an FSDP or DeepSpeed plugin overwrites that in its dict).
 Within a cell, as within a one-off call, Accelerators share the state as Accelerate intends.
 
 Both are registered with ``worker/post_import.py``: patched only if and when the rank imports

@@ -2,16 +2,7 @@
 
 import torch
 from transformers import Trainer, TrainingArguments
-
-
-class Regressor(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layer = torch.nn.Linear(4, 1)
-
-    def forward(self, x, labels=None):
-        out = self.layer(x)
-        return {"loss": torch.nn.functional.mse_loss(out, labels), "logits": out}
+from transformers_trainer import Regressor  # the model of the weights test, beside this file
 
 
 def main():
