@@ -84,6 +84,7 @@ class CallLoop(ABC):
                 cpu_mode=request.plan.cpu_mode,
                 log_dir=log_dir,
                 name=request.name,
+                ranks_per_node=tuple(ranks_per_node),
             )
         )
 

@@ -9,18 +9,26 @@ display bundle) and replaces it at the end, through the display's id, with the
 outcome: each rank's state, time and exit reason, its last lines, the log
 folder and the run's link. A saved notebook thus keeps a readable account of
 the run wherever it is opened.
+
+Past ``MANY_RANKS`` ranks the record summarises as the live view does: the counts
+by state, then rank 0, the rank that failed first and the other failed ranks (at
+most :data:`LISTED_OF_MANY` in all) with their last lines; every rank's whole
+output is in its log.
 """
 
 from __future__ import annotations
 
 import html
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from air_magic.display.rank_board import MANY_RANKS
 from air_magic.protocol.events import RankState, RecordLink
 
 LAST_LINES = 20  # per rank in the record: the end of the story; the log has it all
 MAX_LINE_CHARS = 300
+LISTED_OF_MANY = 10  # ranks a record of many ranks lists: rank 0 and the failures first
 
 
 @dataclass(frozen=True)
@@ -41,8 +49,28 @@ class Record:
     elapsed: float
     log_dir: str | None
     link: RecordLink | None
-    rows: Sequence[RankRow]
+    rows: Sequence[RankRow]  # every rank's, or for many ranks those :func:`shown_ranks` picks
     cpu_mode: bool = False
+    counts: str = ""  # "990 succeeded, 1 failed, 9 killed": said when ``rows`` are not every rank
+    nodes: int = 1
+
+
+def shown_ranks(states: Sequence[RankState], root_cause: int | None) -> list[int]:
+    """The ranks a record lists: every rank up to ``MANY_RANKS``; past it rank 0, the rank that
+    failed first, the other failed ranks and then the stopped ones, at most LISTED_OF_MANY."""
+    n = len(states)
+    if n <= MANY_RANKS:
+        return list(range(n))
+    first = [0] + ([root_cause] if root_cause not in (None, 0) else [])
+    failed = [r for r in range(n) if states[r] is RankState.FAILED and r not in first]
+    killed = [r for r in range(n) if states[r] is RankState.KILLED and r not in first]
+    return sorted([*first, *failed, *killed][:LISTED_OF_MANY])
+
+
+def counts_of(states: Sequence[RankState]) -> str:
+    """``990 succeeded, 1 failed, 9 killed`` (states in their life's order)."""
+    counts = Counter(states)
+    return ", ".join(f"{counts[s]} {s.value}" for s in RankState if counts[s])
 
 
 def _line(text: str) -> str:
@@ -78,6 +106,7 @@ def as_html(record: Record) -> str:
         '<div class="air-magic-record">'
         f"<div><b>{e(record.name)}</b> · {record.world_size} rank(s) · {e(record.mode)} · "
         f"<b>{e(record.outcome)}</b> · {record.elapsed:.1f} s{link}</div>{cpu}"
+        f"{_many_html(record)}"
         "<table><tr><th align=left>rank</th><th align=left>state</th><th align=left>elapsed</th>"
         f"<th align=left>exit</th></tr>{rows}</table>{tails}{logs}</div>"
     )
@@ -89,6 +118,8 @@ def as_text(record: Record) -> str:
     lines = [f"{record.name}: {record.outcome} in {record.elapsed:.1f} s, {ranks}, {record.mode}"]
     if record.cpu_mode:
         lines.append("CPU mode: no NVIDIA GPU is visible, so every rank ran on the CPU with gloo.")
+    if len(record.rows) < record.world_size:
+        lines.append(_many_text(record))
     for r in record.rows:
         took = f", {r.took}" if r.took else ""
         reason = f": {r.reason}" if r.reason else ""
@@ -99,3 +130,15 @@ def as_text(record: Record) -> str:
     if record.link is not None:
         lines.append(record.link.url or record.link.description)
     return "\n".join(lines)
+
+
+def _many_text(record: Record) -> str:
+    on = f" on {record.nodes} nodes" if record.nodes > 1 else ""
+    listed = ", ".join(str(r.rank) for r in record.rows)
+    return f"ranks{on}: {record.counts}; listed here: {listed} (every rank's output is in its log)"
+
+
+def _many_html(record: Record) -> str:
+    if len(record.rows) >= record.world_size:
+        return ""
+    return f"<div>{html.escape(_many_text(record))}</div>"

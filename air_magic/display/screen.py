@@ -7,6 +7,10 @@ the last ``\\r`` of a line, which is what the eye sees for any progress bar
 that rewrites its whole line. ANSI colour codes are kept: Jupyter renders
 them in stream outputs. Only the last :data:`MAX_LINES` lines are kept here;
 the full log is on disk.
+
+A line redrawn with ``\\r`` on stderr (tqdm's bar, which writes to stderr) is shown
+as stdout: it is progress, and Jupyter shades stderr like an error. Text that is
+not redrawn keeps its stream (a traceback stays shaded).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ class RankScreen:
             self.dropped += len(lines) - self.max_lines
             lines = lines[-self.max_lines :]
         for line in lines:
-            self._append(stream, visible(line))
+            self._append(_shown_as(stream, line), visible(line))
 
     def _append(self, stream: str, line: str) -> None:
         if len(line) > _MAX_LINE_CHARS:
@@ -47,7 +51,10 @@ class RankScreen:
 
     def stream_outputs(self) -> tuple[dict[str, str], ...]:
         """The screen as Jupyter stream outputs: consecutive lines of one stream merged."""
-        partial = [(s, visible(split.rest())[-_MAX_LINE_CHARS:]) for s, split in self._splitters.items()]
+        partial = [
+            (_shown_as(s, split.rest()), visible(split.rest())[-_MAX_LINE_CHARS:])
+            for s, split in self._splitters.items()
+        ]
         rows = list(self.lines) + [(s, p) for s, p in partial if p]
         outputs: list[dict[str, str]] = []
         for stream, group in itertools.groupby(rows, key=lambda row: row[0]):
@@ -57,3 +64,8 @@ class RankScreen:
 
     def text(self) -> str:
         return "".join(o["text"] for o in self.stream_outputs())
+
+
+def _shown_as(stream: str, line: str) -> str:
+    """The stream a line is shown as: a redrawn stderr line is progress, not an error (see above)."""
+    return "stdout" if stream == "stderr" and "\r" in line else stream

@@ -19,6 +19,7 @@ import sys
 from collections import Counter
 from typing import TextIO
 
+from air_magic.display.rank_board import MANY_RANKS  # past it, rank 0 and the root cause only (above)
 from air_magic.protocol.events import (
     Event,
     RankExited,
@@ -31,7 +32,6 @@ from air_magic.protocol.events import (
 )
 from air_magic.protocol.lines import LineSplitter, visible
 
-MANY_RANKS = 16  # past this, the console shows rank 0 and failing ranks only (see above)
 TAIL_CHARS = 2000  # what is kept of a hidden rank's output, to print if it fails
 
 _cpu_mode_said = False

@@ -25,16 +25,16 @@ import threading
 import time
 from typing import Any
 
-from air_magic import paths
 from air_magic.display import record
-from air_magic.display.screen import RankScreen
+from air_magic.display.rank_board import RankBoard
+from air_magic.display.summary_view import SummaryView
+from air_magic.display.tab_view import TabView
 from air_magic.protocol.events import (
     Event,
     Outcome,
     RankExited,
     RankOutput,
     RankStarted,
-    RankState,
     RecordLink,
     RunFinished,
     RunStarted,
@@ -46,21 +46,6 @@ FLUSH_S = 0.25  # at most 4 browser updates a second per rank: live to the eye, 
 KEEP_LIVE = 20  # ended calls whose tabs stay live; older ones become their static record
 _ended: collections.deque[WidgetDisplay] = collections.deque()
 _ended_lock = threading.Lock()
-
-GLYPHS = {
-    RankState.STARTING: "○",
-    RankState.RUNNING: "●",
-    RankState.SUCCEEDED: "✓",
-    RankState.FAILED: "✗",
-    RankState.KILLED: "■",
-}
-_COLORS = {
-    RankState.STARTING: "#888",
-    RankState.RUNNING: "#1a73e8",
-    RankState.SUCCEEDED: "#188038",
-    RankState.FAILED: "#d93025",
-    RankState.KILLED: "#b06000",
-}
 
 
 def widgets_available() -> bool:
@@ -87,19 +72,16 @@ def widgets_available() -> bool:
 class WidgetDisplay:
     def __init__(self, record: RecordLink | None = None) -> None:
         self._record = record
-        self._screens: list[RankScreen] = []
-        self._states: list[RankState] = []
-        self._reasons: list[str] = []
-        self._started_at: list[float | None] = []
-        self._ended_at: list[float | None] = []
+        self._board = RankBoard.of(0)
+        self._view: TabView | SummaryView | None = None
         self._dirty: set[int] = set()
         self._last_flush = 0.0
         self._run: RunStarted | None = None
         self._outcome: str = Outcome.RUNNING  # or "starting" (tabs shown before the call starts)
         self._elapsed = 0.0
-        self._t0 = time.monotonic()
         self._name = ""
         self._session: SessionState | None = None  # a persistent session's cell: what it holds
+        self._root_cause: int | None = None  # the rank that failed first, once the call ended
         self._handle: Any = None  # the display's handle (its id): the static record is updated through it
 
     def set_record(self, record: RecordLink | None) -> None:
@@ -123,62 +105,58 @@ class WidgetDisplay:
         if isinstance(event, RunStarted):
             self._run = event
             self._outcome = Outcome.RUNNING
-            if not self._screens or len(self._screens) != event.world_size:
+            if self._view is None or len(self._board) != event.world_size:
                 self._make(event.world_size)
             else:
-                self._refresh_run()
+                self._board.nodes = event.node_of()
+                self._flush(force=True)  # its log folder and mode, in the header
         elif self._run is None:
             return
         elif isinstance(event, RankOutput):
-            self._screens[event.rank].write(event.stream, event.text)
+            self._board.output(event.rank, event.stream, event.text)
             self._dirty.add(event.rank)
             self._flush()
         elif isinstance(event, Tick):
             self._elapsed = event.elapsed
             self._flush()
         elif isinstance(event, RankStarted):
-            self._states[event.rank] = RankState.RUNNING
-            self._started_at[event.rank] = time.monotonic()
+            self._board.started(event.rank)
         elif isinstance(event, RankExited):
-            self._states[event.rank] = event.state
-            self._reasons[event.rank] = event.reason
-            self._ended_at[event.rank] = time.monotonic()
+            self._board.exited(event.rank, event.state, event.reason)
             # Not forced: ranks that end together (a session's cell) make one update, not one each;
             # the next tick shows it (at most FLUSH_S later) and the run's end always does.
             self._flush()
         elif isinstance(event, RunFinished):
-            self._outcome = event.outcome
-            self._elapsed = event.elapsed
-            if event.failed_rank is not None:
-                self._tab.selected_index = event.failed_rank
-            self._dirty.update(range(len(self._screens)))
-            self._flush(force=True)
-            if self._handle is not None:
-                self._handle.update(self._bundle(), raw=True)
-            _retire_the_oldest(self)
+            self._finished(event)
+
+    def _finished(self, event: RunFinished) -> None:
+        self._outcome = event.outcome
+        self._elapsed = event.elapsed
+        self._root_cause = event.failed_rank
+        view = self._view
+        if isinstance(view, SummaryView):
+            view.root_cause = event.failed_rank
+        self._dirty.update(range(len(self._board)))
+        self._flush(force=True)
+        # The root cause's output first. A call of many ranks that succeeded shows rank 0's; a few
+        # ranks' tabs stay on the tab the user chose (rank 0's unless one was clicked).
+        if view is not None and event.failed_rank is not None:
+            view.select(event.failed_rank)
+        elif isinstance(view, SummaryView):
+            view.select(0)
+        if self._handle is not None:
+            self._handle.update(self._bundle(), raw=True)
+        _retire_the_oldest(self)
 
     # -- widgets ------------------------------------------------------------------------
 
     def _make(self, n: int) -> None:
-        import ipywidgets as w
         from IPython.display import display
 
-        self._screens = [RankScreen() for _ in range(n)]
-        self._states = [RankState.STARTING] * n
-        self._reasons = [""] * n
-        self._started_at = [None] * n
-        self._ended_at = [None] * n
-        self._t0 = time.monotonic()
-        # Few widgets, their layouts and style shared: each widget is a message to the browser and
-        # about 1 ms of the kernel's time, which a persistent session's cell pays every time (SPEC §15).
-        # Each rank's log and dropped lines are in the header's table, not in a widget of their own.
-        self._header = w.HTML(value=self._header_html(), layout=_shared("layout"), style=_shared("style"))
-        self._outputs = [w.Output(layout=_shared("output")) for _ in range(n)]
-        self._tab = w.Tab(children=self._outputs, layout=_shared("layout"))
-        self._titles = [self._title(r) for r in range(n)]
-        self._tab.titles = tuple(self._titles)
-        self._box = w.VBox([self._header, self._tab], layout=_shared("layout"))
-        self._box.add_class("air-magic-run")
+        nodes = self._run.node_of() if self._run is not None else None
+        self._board = RankBoard.of(n, nodes)
+        view_class = SummaryView if self._board.many else TabView
+        self._view = view_class(self._board, self._top_html(), self._log_dir())
         self._last_flush = time.monotonic()  # what _make sent is current
         # The widget view, and beside it a static record for wherever widgets do not render
         # (display/record.py); replaced through the display id when the call ends.
@@ -190,44 +168,48 @@ class WidgetDisplay:
             static = self._bundle()
             static.pop("application/vnd.jupyter.widget-view+json", None)
             self._handle.update(static, raw=True)
-        for widget in (self._box, self._tab, self._header, *self._outputs):
-            widget.close()
+        if self._view is not None:
+            for widget in self._view.widgets():
+                widget.close()
 
     def _bundle(self) -> dict[str, Any]:
         """The widget view with the static record as ``text/html`` and ``text/plain``."""
         # The widget view's reference, written here: ipywidgets' own _repr_mimebundle_ also builds a
         # repr of every widget for text/plain (about 1 ms), which the record below replaces anyway.
+        assert self._view is not None
         bundle: dict[str, Any] = {
             "application/vnd.jupyter.widget-view+json": {
                 "version_major": 2,
                 "version_minor": 0,
-                "model_id": self._box.model_id,
+                "model_id": self._view.box.model_id,
             }
         }
+        board = self._board
         now = record.Record(
             name=self._run.name if self._run is not None else self._name,
-            world_size=len(self._states),
+            world_size=len(board),
             mode=self._mode(),
             outcome=self._outcome,
             elapsed=self._elapsed,
-            log_dir=self._run.log_dir if self._run is not None else None,
+            log_dir=self._log_dir(),
             link=self._record,
             rows=[
-                record.RankRow(r, self._states[r], self._took(r), self._reasons[r], self._last_lines(r))
-                for r in range(len(self._states))
+                record.RankRow(r, board.states[r], board.took(r), board.reasons[r], self._last_lines(r))
+                for r in record.shown_ranks(board.states, self._root_cause)
             ],
             cpu_mode=self._run is not None and self._run.cpu_mode,
+            counts=record.counts_of(board.states),
+            nodes=len(set(board.nodes)),
         )
         bundle["text/html"] = record.as_html(now)
         bundle["text/plain"] = record.as_text(now)
         return bundle
 
     def _last_lines(self, rank: int) -> list[str]:
-        return [line for _, line in list(self._screens[rank].lines)[-record.LAST_LINES :]]
+        return [line for _, line in list(self._board.screens[rank].lines)[-record.LAST_LINES :]]
 
-    def _took(self, rank: int) -> str:
-        start, end = self._started_at[rank], self._ended_at[rank]
-        return "" if start is None else f"{((end or time.monotonic()) - start):.1f} s"
+    def _log_dir(self) -> str | None:
+        return self._run.log_dir if self._run is not None else None
 
     def _mode(self) -> str:
         run = self._run
@@ -235,50 +217,20 @@ class WidgetDisplay:
             return "the ranks are not started yet"
         return f"CPU mode, {run.backend}" if run.cpu_mode else f"{run.detected}, {run.backend}"
 
-    def _refresh_run(self) -> None:
-        """The run started: its log folder and mode go in the header."""
-        self._header.value = self._header_html()
-
     def _flush(self, force: bool = False) -> None:
         now = time.monotonic()
-        if not force and now - self._last_flush < FLUSH_S:
+        if self._view is None or (not force and now - self._last_flush < FLUSH_S):
             return
         self._last_flush = now
-        for rank in sorted(self._dirty):
-            self._outputs[rank].outputs = self._screens[rank].stream_outputs()
+        self._view.refresh(self._dirty, self._top_html(), self._log_dir(), force=force)
         self._dirty.clear()
-        titles = [self._title(r) for r in range(len(self._screens))]
-        if titles != self._titles:
-            self._titles = titles
-            self._tab.titles = tuple(titles)
-        header = self._header_html()
-        if header != self._header.value:
-            self._header.value = header
 
-    def _title(self, rank: int) -> str:
-        return f"rank {rank} {GLYPHS[self._states[rank]]}"
-
-    def _log_html(self, rank: int) -> str:
-        """The rank's full log (and how many earlier lines its tab no longer shows)."""
-        if self._run is None:
-            return ""
-        dropped = self._screens[rank].dropped
-        shown = f"{dropped} earlier lines not shown; " if dropped else ""
-        path = html.escape(paths.rank_log(self._run.log_dir, rank))
-        return f'<small style="color:#666">{shown}<code>{path}</code></small>'
-
-    def _header_html(self) -> str:
+    def _top_html(self) -> str:
+        """The call in one line (name, ranks, mode, outcome, time, the MLflow link), what a
+        session holds, and the CPU mode's note."""
         run = self._run
-        n = len(self._states)
+        n = len(self._board)
         mode, name = self._mode(), (run.name if run is not None else self._name)
-        outcome = self._outcome
-        rows = []
-        for r, state in enumerate(self._states):
-            took = self._took(r)
-            rows.append(
-                f'<tr><td>rank {r}</td><td style="color:{_COLORS[state]}">{GLYPHS[state]} {state.value}</td>'
-                f"<td>{took}</td><td>{html.escape(self._reasons[r])}</td><td>{self._log_html(r)}</td></tr>"
-            )
         tracked = self._record
         if tracked is not None and tracked.url:
             link = f' · <a href="{html.escape(tracked.url)}" target="_blank">MLflow run</a>'
@@ -297,17 +249,12 @@ class WidgetDisplay:
         session = ""
         if self._session is not None:
             session = f'<div style="color:#444">{html.escape(self._session.describe())}</div>'
+        # line-height: an HTML widget's own (28 px, for one line beside a control) spreads a block.
         return (
-            f"<div><b>{html.escape(name)}</b> · {n} rank(s) · {html.escape(mode)} · "
-            f"{html.escape(outcome)} · {self._elapsed:.1f} s{link}</div>{session}{cpu}"
-            '<table style="font-size:90%"><tr><th align=left>rank</th><th align=left>state</th>'
-            "<th align=left>elapsed</th><th align=left>exit</th><th align=left>full log</th></tr>"
-            + "".join(rows)
-            + "</table>"
+            f'<div style="line-height:1.4"><div><b>{html.escape(name)}</b> · {n} rank(s) · '
+            f"{html.escape(mode)} · {html.escape(self._outcome)} · {self._elapsed:.1f} s{link}</div>"
+            f"{session}{cpu}</div>"
         )
-
-
-_SHARED: dict[str, Any] = {}
 
 
 def _retire_the_oldest(display: WidgetDisplay) -> None:
@@ -320,28 +267,6 @@ def _retire_the_oldest(display: WidgetDisplay) -> None:
             retired.retire()
         except Exception:  # noqa: BLE001 - a frontend gone away: nothing to update
             pass
-
-
-def _shared(kind: str) -> Any:
-    """One layout (or style) model for every tab display of this kernel: 'layout', 'output' or 'style'.
-
-    Made again if closed (``Widget.close_all()``)."""
-    import ipywidgets as w
-
-    found = _SHARED.get(kind)
-    if found is None or getattr(found, "comm", None) is None:
-        if kind == "output":
-            found = w.Layout(max_height="30em", overflow="auto")
-        elif kind == "style":
-            try:  # ipywidgets 8; 7 styles an HTML widget with a DescriptionStyle
-                from ipywidgets.widgets.widget_string import HTMLStyle as style_class
-            except ImportError:
-                style_class = w.DescriptionStyle
-            found = style_class()
-        else:
-            found = w.Layout()
-        _SHARED[kind] = found
-    return found
 
 
 def make_consumers(display: str, record: RecordLink | None = None) -> list[Any]:

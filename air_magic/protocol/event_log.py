@@ -49,6 +49,8 @@ def from_line(line: str) -> Event | None:
         cls = _KINDS[fields.pop("kind")]
         if cls is RankExited:
             fields["state"] = RankState(fields["state"])
+        if cls is RunStarted and "ranks_per_node" in fields:
+            fields["ranks_per_node"] = tuple(fields["ranks_per_node"])
         event: Event = cls(**fields)
         return event
     except (ValueError, KeyError, TypeError):

@@ -60,6 +60,13 @@ class RunStarted:
     cpu_mode: bool
     log_dir: str
     name: str
+    # How many ranks each node runs, in rank order (node 0 has ranks 0..n0-1, ...); () when not said.
+    ranks_per_node: tuple[int, ...] = ()
+
+    def node_of(self) -> list[int]:
+        """Each rank's node index (all 0 when the nodes were not said)."""
+        nodes = [node for node, count in enumerate(self.ranks_per_node) for _ in range(count)]
+        return nodes if len(nodes) == self.world_size else [0] * self.world_size
 
 
 @dataclass(frozen=True)

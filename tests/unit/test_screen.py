@@ -18,9 +18,16 @@ def test_a_tqdm_style_stream_ends_as_its_final_line():
     ]:
         screen.write("stderr", chunk)
     assert screen.text() == "100%|#####| 3/3\n"
+    # Progress, not an error: shown unshaded (as stdout); a stderr line that is not redrawn stays stderr.
     assert screen.stream_outputs() == (
-        {"output_type": "stream", "name": "stderr", "text": "100%|#####| 3/3\n"},
+        {"output_type": "stream", "name": "stdout", "text": "100%|#####| 3/3\n"},
     )
+    screen.write("stderr", "Traceback (most recent call last):\n")
+    assert screen.stream_outputs()[-1] == {
+        "output_type": "stream",
+        "name": "stderr",
+        "text": "Traceback (most recent call last):\n",
+    }
 
 
 def test_partial_line_is_shown_and_replaced_on_redraw():

@@ -37,15 +37,18 @@ def test_tabs_follow_the_ranks_and_a_failure_selects_and_marks_its_tab():
     display.handle(RankExited(1, RankState.KILLED, -15, "stopped by air_magic"))
     display.handle(RunFinished("run-1", "failed", 1.5, "/logs/run-1", error="ValueError: x", failed_rank=2))
 
-    assert display._tab.selected_index == 2
-    assert list(display._tab.titles) == ["rank 0 ■", "rank 1 ■", "rank 2 ✗"]
-    assert display._outputs[0].outputs == ({"output_type": "stream", "name": "stdout", "text": "epoch 1\n"},)
-    assert display._outputs[2].outputs == (
-        {"output_type": "stream", "name": "stderr", "text": "100%|##########|\n"},
+    assert display._view.tab.selected_index == 2
+    assert list(display._view.tab.titles) == ["rank 0 ■", "rank 1 ■", "rank 2 ✗"]
+    assert display._view.outputs[0].outputs == (
+        {"output_type": "stream", "name": "stdout", "text": "epoch 1\n"},
     )
-    header = display._header.value
+    # A bar redrawn on stderr is progress, not an error: not shaded like one (a stdout output).
+    assert display._view.outputs[2].outputs == (
+        {"output_type": "stream", "name": "stdout", "text": "100%|##########|\n"},
+    )
+    header = display._view.header.value
     assert "failed" in header and "raised an exception" in header and "MLflow run abc" in header
-    assert "/logs/run-1/rank-2.log" in header  # each rank's full log, in its row
+    assert "/logs/run-1" in header and "rank-2.log" in header  # the folder once, each rank's log in its row
 
 
 def test_updates_are_batched_in_time():
@@ -54,13 +57,13 @@ def test_updates_are_batched_in_time():
         display.handle(RunStarted("run-2", 1, "gloo", "cpu", True, "/logs/run-2", "chatty"))
     display.handle(RankStarted(0, 1))
     sent = []
-    display._outputs[0].observe(lambda change: sent.append(change), names="outputs")
+    display._view.outputs[0].observe(lambda change: sent.append(change), names="outputs")
     for i in range(5000):
         display.handle(RankOutput(0, "stdout", f"line {i}\n"))
     display.handle(RunFinished("run-2", "succeeded", 0.1, "/logs/run-2"))
     assert len(sent) <= 3  # not one update per line
-    assert display._screens[0].text().splitlines()[-1] == "line 4999"
-    assert display._screens[0].dropped == 4000  # the tab keeps the last 1000 lines
+    assert display._board.screens[0].text().splitlines()[-1] == "line 4999"
+    assert display._board.screens[0].dropped == 4000  # the tab keeps the last 1000 lines
 
 
 def test_only_the_newest_ended_calls_keep_live_widgets(monkeypatch):
@@ -84,7 +87,7 @@ def test_only_the_newest_ended_calls_keep_live_widgets(monkeypatch):
             display.handle(RankOutput(0, "stdout", f"line of call {i}\n"))
             display.handle(RunFinished(f"run-{i}", "succeeded", 0.1, f"/logs/run-{i}"))
             displays.append(display)
-    closed = [d._box.comm is None and all(o.comm is None for o in d._outputs) for d in displays]
+    closed = [d._view.box.comm is None and all(o.comm is None for o in d._view.outputs) for d in displays]
     assert closed == [True, True, False, False, False]
     assert list(widgets._ended) == displays[2:]
     widget_view = "application/vnd.jupyter.widget-view+json"

@@ -1,0 +1,168 @@
+"""What a view of many ranks shows: counts, a grid coloured by state, the ranks worth a look first.
+
+Pure functions over a :class:`~air_magic.display.rank_board.RankBoard`, used by
+the summary view (``summary_view.py``); no widget here, so the rules are tested
+without a kernel. The sizes are bounded whatever the rank count: the grid merges
+neighbouring ranks in one state into one run of glyphs (a few kilobytes for 1,000
+ranks), and the list names at most :data:`LISTED` ranks (a filter finds any other).
+"""
+
+from __future__ import annotations
+
+import html
+import re
+
+from air_magic.display.rank_board import RankBoard
+from air_magic.protocol.events import RankState
+
+LISTED = 40  # ranks named in the list at once; the filter reaches every other
+QUIET_S = 30.0  # a running rank silent this long is called quiet in its label
+
+GLYPHS = {
+    RankState.STARTING: "○",
+    RankState.RUNNING: "●",
+    RankState.SUCCEEDED: "✓",
+    RankState.FAILED: "✗",
+    RankState.KILLED: "■",
+}
+COLORS = {
+    RankState.STARTING: "#888",
+    RankState.RUNNING: "#1a73e8",
+    RankState.SUCCEEDED: "#188038",
+    RankState.FAILED: "#d93025",
+    RankState.KILLED: "#b06000",
+}
+
+PROBLEMS_FIRST = "failed, then quiet longest"
+MOST_OUTPUT = "printed most"
+RANK_ORDER = "rank order"
+ORDERS = (PROBLEMS_FIRST, MOST_OUTPUT, RANK_ORDER)
+
+_STATE_RANK = {  # problems first: failures, then stopped ranks, then the running, then the rest
+    RankState.FAILED: 0,
+    RankState.KILLED: 1,
+    RankState.RUNNING: 2,
+    RankState.STARTING: 3,
+    RankState.SUCCEEDED: 4,
+}
+
+
+def ranked(board: RankBoard, order: str, root_cause: int | None, now: float) -> list[int]:
+    """Every rank, in the order the list shows them."""
+    ranks = range(len(board))
+    if order == MOST_OUTPUT:
+        return sorted(ranks, key=lambda r: (-board.lines_out[r], r))
+    if order == RANK_ORDER:
+        return list(ranks)
+
+    def problems(r: int) -> tuple[int, float, int]:
+        if r == root_cause:
+            return (-1, 0.0, r)
+        state = board.states[r]
+        if state in (RankState.FAILED, RankState.KILLED):
+            return (_STATE_RANK[state], board.ended_at[r] or 0.0, r)  # the first to end first
+        return (_STATE_RANK[state], -board.quiet_for(r, now), r)  # the quiet longest first
+
+    return sorted(ranks, key=problems)
+
+
+_RANGE = re.compile(r"^(\d+)\s*-\s*(\d+)$")
+_NODE = re.compile(r"^(?:node|n)\s*(\d+)$")
+
+
+def matching(board: RankBoard, query: str) -> list[int] | None:
+    """The ranks a filter names, in rank order; None for an empty filter (every rank).
+
+    Terms separated by commas, any of: ``737`` (a rank), ``700-710`` (a range), ``node 3``
+    (a node's ranks), a state (``failed``, ``running``, ``killed``, ...). Unknown terms match nothing.
+    """
+    terms = [t.strip().lower() for t in query.split(",") if t.strip()]
+    if not terms:
+        return None
+    states = {s.value: s for s in RankState}
+    chosen: set[int] = set()
+    n = len(board)
+    for term in terms:
+        if term.isdigit():
+            chosen.update({int(term)} & set(range(n)))
+        elif (found := _RANGE.match(term)) is not None:
+            chosen.update(range(int(found[1]), min(int(found[2]), n - 1) + 1))
+        elif (found := _NODE.match(term)) is not None:
+            node = int(found[1])
+            chosen.update(r for r in range(n) if board.nodes[r] == node)
+        elif term in states:
+            chosen.update(r for r in range(n) if board.states[r] is states[term])
+    return sorted(chosen)
+
+
+def listed(board: RankBoard, order: str, query: str, root_cause: int | None, now: float) -> list[int]:
+    """The ranks the list names: the filter's, in the chosen order, at most :data:`LISTED`."""
+    allowed = matching(board, query)
+    ranks = ranked(board, order, root_cause, now)
+    if allowed is not None:
+        keep = set(allowed)
+        ranks = [r for r in ranks if r in keep]
+    return ranks[:LISTED]
+
+
+def label(board: RankBoard, rank: int, now: float) -> str:
+    """One line for a rank in the list: ``rank 737 ✗ failed · node 92 · 1,204 lines · raised ...``."""
+    state = board.states[rank]
+    parts = [f"rank {rank} {GLYPHS[state]} {state.value}"]
+    if len(set(board.nodes)) > 1:
+        parts.append(f"node {board.nodes[rank]}")
+    parts.append(f"{board.lines_out[rank]:,} lines")
+    quiet = board.quiet_for(rank, now)
+    if state is RankState.RUNNING and quiet >= QUIET_S:
+        parts.append(f"quiet {quiet:.0f} s")
+    if board.reasons[rank]:
+        parts.append(board.reasons[rank])
+    return " · ".join(parts)
+
+
+def counts_text(board: RankBoard) -> str:
+    """``1000 ranks: 998 running, 1 failed, 1 killed`` (states in their life's order)."""
+    counts = board.counts()
+    said = ", ".join(f"{counts[s]} {s.value}" for s in RankState if counts[s])
+    nodes = len(set(board.nodes))
+    on = f" on {nodes} nodes" if nodes > 1 else ""
+    return f"{len(board)} ranks{on}: {said}"
+
+
+def grid_html(board: RankBoard, chosen: int | None = None) -> str:
+    """Every rank as a glyph coloured by its state, node by node; neighbours in one state are one run
+    (one element), so the grid costs a few kilobytes for 1,000 ranks. The chosen rank is underlined."""
+    out: list[str] = []
+    n = len(board)
+    start = 0
+    while start < n:
+        node = board.nodes[start]
+        end = start
+        while end < n and board.nodes[end] == node:
+            end += 1
+        out.append(f'<span title="node {node}: ranks {start}-{end - 1}" style="margin-right:6px">')
+        run = start
+        while run < end:
+            state = board.states[run]
+            stop = run
+            while stop < end and board.states[stop] is state and stop != chosen:
+                stop += 1
+            if stop == run:  # the chosen rank: a run of its own, underlined
+                stop = run + 1
+                out.append(f'<u style="color:{COLORS[state]}">{GLYPHS[state]}</u>')
+            else:
+                out.append(f'<span style="color:{COLORS[state]}">{GLYPHS[state] * (stop - run)}</span>')
+            run = stop
+        out.append("</span>")
+        start = end
+    return (
+        '<div style="font-family:monospace;line-height:1.1;letter-spacing:1px;word-break:break-all">'
+        + "".join(out)
+        + "</div>"
+    )
+
+
+def legend_html() -> str:
+    return " ".join(
+        f'<span style="color:{COLORS[s]}">{GLYPHS[s]}</span>&nbsp;{html.escape(s.value)}' for s in RankState
+    )

@@ -1,0 +1,82 @@
+"""Each rank's state as the widget views show it: its screen, state, times and how much it printed.
+
+Filled by :class:`~air_magic.display.widgets.WidgetDisplay` from launch events;
+read by its two views (``tab_view.py`` for a few ranks, ``summary_view.py``
+for many) and by the static record. Memory is bounded per rank: a screen keeps
+a capped tail (fewer lines per rank when there are many ranks), never the log.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from air_magic.display.screen import MAX_LINES, RankScreen
+from air_magic.protocol.events import RankState
+
+MANY_RANKS = 16  # past this many ranks the displays summarise instead of showing every rank
+MANY_RANKS_LINES = 200  # lines kept per rank past MANY_RANKS: 1,000 ranks hold 200,000 lines at most
+
+
+@dataclass
+class RankBoard:
+    screens: list[RankScreen] = field(default_factory=list)
+    states: list[RankState] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)
+    started_at: list[float | None] = field(default_factory=list)
+    ended_at: list[float | None] = field(default_factory=list)
+    last_output_at: list[float | None] = field(default_factory=list)
+    lines_out: list[int] = field(default_factory=list)  # newlines printed (both streams)
+    nodes: list[int] = field(default_factory=list)  # each rank's node index
+    t0: float = 0.0
+
+    @classmethod
+    def of(cls, world_size: int, nodes: list[int] | None = None) -> RankBoard:
+        lines = MAX_LINES if world_size <= MANY_RANKS else MANY_RANKS_LINES
+        return cls(
+            screens=[RankScreen(max_lines=lines) for _ in range(world_size)],
+            states=[RankState.STARTING] * world_size,
+            reasons=[""] * world_size,
+            started_at=[None] * world_size,
+            ended_at=[None] * world_size,
+            last_output_at=[None] * world_size,
+            lines_out=[0] * world_size,
+            nodes=nodes if nodes is not None and len(nodes) == world_size else [0] * world_size,
+            t0=time.monotonic(),
+        )
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    @property
+    def many(self) -> bool:
+        return len(self.states) > MANY_RANKS
+
+    def output(self, rank: int, stream: str, text: str) -> None:
+        self.screens[rank].write(stream, text)
+        self.last_output_at[rank] = time.monotonic()
+        self.lines_out[rank] += text.count("\n")
+
+    def started(self, rank: int) -> None:
+        self.states[rank] = RankState.RUNNING
+        self.started_at[rank] = time.monotonic()
+
+    def exited(self, rank: int, state: RankState, reason: str) -> None:
+        self.states[rank] = state
+        self.reasons[rank] = reason
+        self.ended_at[rank] = time.monotonic()
+
+    def took(self, rank: int) -> str:
+        start, end = self.started_at[rank], self.ended_at[rank]
+        return "" if start is None else f"{((end or time.monotonic()) - start):.1f} s"
+
+    def quiet_for(self, rank: int, now: float) -> float:
+        """Seconds since the rank last printed (since it started, if it never did); 0 once it ended."""
+        if self.ended_at[rank] is not None:
+            return 0.0
+        last = self.last_output_at[rank] or self.started_at[rank] or self.t0
+        return now - last
+
+    def counts(self) -> Counter[RankState]:
+        return Counter(self.states)
