@@ -4,7 +4,8 @@ Pure functions over a :class:`~air_magic.display.rank_board.RankBoard`, used by
 the summary view (``summary_view.py``); no widget here, so the rules are tested
 without a kernel. The sizes are bounded whatever the rank count: the grid merges
 neighbouring ranks in one state into one run of glyphs (a few kilobytes for 1,000
-ranks), and the list names at most :data:`LISTED` ranks (a filter finds any other).
+ranks when neighbours share their state; about 50 KB if every other rank differs),
+and the list names at most :data:`LISTED` ranks (a filter finds any other).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import html
 import re
 
-from air_magic.display.rank_board import RankBoard
+from air_magic.display.rank_board import RankBoard, counts_words
 from air_magic.protocol.events import RankState
 
 LISTED = 40  # ranks named in the list at once; the filter reaches every other
@@ -66,8 +67,24 @@ def ranked(board: RankBoard, order: str, root_cause: int | None, now: float) -> 
     return sorted(ranks, key=problems)
 
 
-_RANGE = re.compile(r"^(\d+)\s*-\s*(\d+)$")
-_NODE = re.compile(r"^(?:node|n)\s*(\d+)$")
+DOING_FINE = 5  # worth_a_look's score for a rank that is not
+
+
+def worth_a_look(board: RankBoard, rank: int, now: float) -> int:
+    """1 failed, 2 stopped, 3 running but silent for QUIET_S; DOING_FINE otherwise."""
+    state = board.states[rank]
+    if state is RankState.FAILED:
+        return 1
+    if state is RankState.KILLED:
+        return 2
+    if state is RankState.RUNNING and board.quiet_for(rank, now) >= QUIET_S:
+        return 3
+    return DOING_FINE
+
+
+_RANK = re.compile(r"^[0-9]+$")
+_RANGE = re.compile(r"^([0-9]+)\s*-\s*([0-9]+)$")
+_NODE = re.compile(r"^(?:node|n)\s*([0-9]+)$")
 
 
 def matching(board: RankBoard, query: str) -> list[int] | None:
@@ -83,8 +100,9 @@ def matching(board: RankBoard, query: str) -> list[int] | None:
     chosen: set[int] = set()
     n = len(board)
     for term in terms:
-        if term.isdigit():
-            chosen.update({int(term)} & set(range(n)))
+        if _RANK.match(term):
+            if int(term) < n:
+                chosen.add(int(term))
         elif (found := _RANGE.match(term)) is not None:
             chosen.update(range(int(found[1]), min(int(found[2]), n - 1) + 1))
         elif (found := _NODE.match(term)) is not None:
@@ -105,11 +123,17 @@ def listed(board: RankBoard, order: str, query: str, root_cause: int | None, now
     return ranks[:LISTED]
 
 
-def label(board: RankBoard, rank: int, now: float) -> str:
+def labels(board: RankBoard, ranks: list[int], now: float) -> list[tuple[str, int]]:
+    """The list's entries: ``(label, rank)``."""
+    nodes = len(set(board.nodes)) > 1
+    return [(label(board, r, now, nodes), r) for r in ranks]
+
+
+def label(board: RankBoard, rank: int, now: float, nodes: bool = True) -> str:
     """One line for a rank in the list: ``rank 737 ✗ failed · node 92 · 1,204 lines · raised ...``."""
     state = board.states[rank]
     parts = [f"rank {rank} {GLYPHS[state]} {state.value}"]
-    if len(set(board.nodes)) > 1:
+    if nodes:
         parts.append(f"node {board.nodes[rank]}")
     parts.append(f"{board.lines_out[rank]:,} lines")
     quiet = board.quiet_for(rank, now)
@@ -122,8 +146,7 @@ def label(board: RankBoard, rank: int, now: float) -> str:
 
 def counts_text(board: RankBoard) -> str:
     """``1000 ranks: 998 running, 1 failed, 1 killed`` (states in their life's order)."""
-    counts = board.counts()
-    said = ", ".join(f"{counts[s]} {s.value}" for s in RankState if counts[s])
+    said = counts_words(board.states)
     nodes = len(set(board.nodes))
     on = f" on {nodes} nodes" if nodes > 1 else ""
     return f"{len(board)} ranks{on}: {said}"

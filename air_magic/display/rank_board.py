@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from air_magic.display.screen import MAX_LINES, RankScreen
+from air_magic.display.screen import MAX_LINE_CHARS, MAX_LINES, RankScreen
 from air_magic.protocol.events import RankState
 
 MANY_RANKS = 16  # past this many ranks the displays summarise instead of showing every rank
-MANY_RANKS_LINES = 200  # lines kept per rank past MANY_RANKS: 1,000 ranks hold 200,000 lines at most
+# Past MANY_RANKS, what each rank's screen keeps: 100 lines of at most 1,000 characters, so 1,000 ranks
+# hold 100 MB at the very worst (and a tab's update is 100 KB at most).
+MANY_RANKS_LINES = 100
+MANY_RANKS_LINE_CHARS = 1000
 
 
 @dataclass
@@ -33,9 +37,11 @@ class RankBoard:
 
     @classmethod
     def of(cls, world_size: int, nodes: list[int] | None = None) -> RankBoard:
-        lines = MAX_LINES if world_size <= MANY_RANKS else MANY_RANKS_LINES
+        few = world_size <= MANY_RANKS
+        lines = MAX_LINES if few else MANY_RANKS_LINES
+        chars = MAX_LINE_CHARS if few else MANY_RANKS_LINE_CHARS
         return cls(
-            screens=[RankScreen(max_lines=lines) for _ in range(world_size)],
+            screens=[RankScreen(max_lines=lines, max_line_chars=chars) for _ in range(world_size)],
             states=[RankState.STARTING] * world_size,
             reasons=[""] * world_size,
             started_at=[None] * world_size,
@@ -78,5 +84,8 @@ class RankBoard:
         last = self.last_output_at[rank] or self.started_at[rank] or self.t0
         return now - last
 
-    def counts(self) -> Counter[RankState]:
-        return Counter(self.states)
+
+def counts_words(states: Sequence[RankState]) -> str:
+    """``990 succeeded, 1 failed, 9 killed`` (states in their life's order)."""
+    counts = Counter(states)
+    return ", ".join(f"{counts[s]} {s.value}" for s in RankState if counts[s])

@@ -11,15 +11,14 @@ folder and the run's link. A saved notebook thus keeps a readable account of
 the run wherever it is opened.
 
 Past ``MANY_RANKS`` ranks the record summarises as the live view does: the counts
-by state, then rank 0, the rank that failed first and the other failed ranks (at
-most :data:`LISTED_OF_MANY` in all) with their last lines; every rank's whole
-output is in its log.
+by state, then rank 0, the rank that failed first, the other failed ranks and two
+stopped ones (at most :data:`LISTED_OF_MANY` in all) with their last lines; every
+rank's whole output is in its log.
 """
 
 from __future__ import annotations
 
 import html
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -56,21 +55,15 @@ class Record:
 
 
 def shown_ranks(states: Sequence[RankState], root_cause: int | None) -> list[int]:
-    """The ranks a record lists: every rank up to ``MANY_RANKS``; past it rank 0, the rank that
-    failed first, the other failed ranks and then the stopped ones, at most LISTED_OF_MANY."""
+    """The ranks a record lists, in that order: every rank up to ``MANY_RANKS``; past it rank 0, the
+    rank that failed first, the other failed ranks and two stopped ones, at most LISTED_OF_MANY."""
     n = len(states)
     if n <= MANY_RANKS:
         return list(range(n))
-    first = [0] + ([root_cause] if root_cause not in (None, 0) else [])
+    first = [0] if root_cause in (None, 0) else [0, root_cause]
     failed = [r for r in range(n) if states[r] is RankState.FAILED and r not in first]
-    killed = [r for r in range(n) if states[r] is RankState.KILLED and r not in first]
-    return sorted([*first, *failed, *killed][:LISTED_OF_MANY])
-
-
-def counts_of(states: Sequence[RankState]) -> str:
-    """``990 succeeded, 1 failed, 9 killed`` (states in their life's order)."""
-    counts = Counter(states)
-    return ", ".join(f"{counts[s]} {s.value}" for s in RankState if counts[s])
+    killed = [r for r in range(n) if states[r] is RankState.KILLED and r not in first][:2]
+    return [*first, *failed, *killed][:LISTED_OF_MANY]
 
 
 def _line(text: str) -> str:

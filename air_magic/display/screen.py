@@ -22,12 +22,13 @@ from dataclasses import dataclass, field
 from air_magic.protocol.lines import LineSplitter, visible
 
 MAX_LINES = 1000  # per rank: what a person scrolls through; the log on disk has everything
-_MAX_LINE_CHARS = 10_000  # a longer line (a tensor printed whole) is cut for the browser, not the log
+MAX_LINE_CHARS = 10_000  # a longer line (a tensor printed whole) is cut for the browser, not the log
 
 
 @dataclass
 class RankScreen:
     max_lines: int = MAX_LINES
+    max_line_chars: int = MAX_LINE_CHARS
     lines: collections.deque[tuple[str, str]] = field(default_factory=collections.deque)
     dropped: int = 0
     _splitters: dict[str, LineSplitter] = field(default_factory=dict)
@@ -42,8 +43,9 @@ class RankScreen:
             self._append(_shown_as(stream, line), visible(line))
 
     def _append(self, stream: str, line: str) -> None:
-        if len(line) > _MAX_LINE_CHARS:
-            line = line[:_MAX_LINE_CHARS] + f" … ({len(line) - _MAX_LINE_CHARS} more characters in the log)"
+        cap = self.max_line_chars
+        if len(line) > cap:
+            line = line[:cap] + f" … ({len(line) - cap} more characters in the log)"
         self.lines.append((stream, line))
         if len(self.lines) > self.max_lines:
             self.lines.popleft()
@@ -52,7 +54,7 @@ class RankScreen:
     def stream_outputs(self) -> tuple[dict[str, str], ...]:
         """The screen as Jupyter stream outputs: consecutive lines of one stream merged."""
         partial = [
-            (_shown_as(s, split.rest()), visible(split.rest())[-_MAX_LINE_CHARS:])
+            (_shown_as(s, split.rest()), visible(split.rest())[-self.max_line_chars :])
             for s, split in self._splitters.items()
         ]
         rows = list(self.lines) + [(s, p) for s, p in partial if p]
@@ -68,4 +70,4 @@ class RankScreen:
 
 def _shown_as(stream: str, line: str) -> str:
     """The stream a line is shown as: a redrawn stderr line is progress, not an error (see above)."""
-    return "stdout" if stream == "stderr" and "\r" in line else stream
+    return "stdout" if stream == "stderr" and "\r" in line.rstrip("\r") else stream  # not a CRLF end

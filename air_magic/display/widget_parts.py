@@ -13,7 +13,7 @@ _SHARED: dict[str, Any] = {}
 
 
 def shared(kind: str) -> Any:
-    """One layout (or style) model for every view of this kernel: 'layout', 'output' or 'style'.
+    """One layout (or style) model for every view of this kernel: 'layout', 'wide', 'output' or 'style'.
 
     Made again if closed (``Widget.close_all()``)."""
     import ipywidgets as w
@@ -22,6 +22,8 @@ def shared(kind: str) -> Any:
     if found is None or getattr(found, "comm", None) is None:
         if kind == "output":
             found = w.Layout(max_height="30em", overflow="auto")
+        elif kind == "wide":
+            found = w.Layout(width="100%")
         elif kind == "style":
             try:  # ipywidgets 8; 7 styles an HTML widget with a DescriptionStyle
                 from ipywidgets.widgets.widget_string import HTMLStyle as style_class

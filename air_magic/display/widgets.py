@@ -1,7 +1,10 @@
-"""Live per-rank tabs in a notebook: one ipywidgets tab per rank under a status header.
+"""Live rank output in a notebook: a tab per rank, or past 16 ranks a summary with tabs for a few.
 
 A consumer of launch events, like the text display; it never drives
-processes. Rank output goes into a :class:`~air_magic.display.screen.RankScreen`
+processes. Each rank's state is kept in a :class:`~air_magic.display.rank_board.RankBoard`
+and shown by one of two views: ``tab_view.py`` (a state table and a tab per rank) or,
+past ``MANY_RANKS`` ranks, ``summary_view.py`` (counts, a grid, tabs for the ranks
+worth a look, any rank on demand). Rank output goes into a :class:`~air_magic.display.screen.RankScreen`
 (carriage returns redraw, capped tail) and reaches the browser at most every
 :data:`FLUSH_S` seconds per rank, as one replacement of the tab's outputs:
 appending line by line to an ``Output`` widget grows quadratically (2 000
@@ -26,7 +29,7 @@ import time
 from typing import Any
 
 from air_magic.display import record
-from air_magic.display.rank_board import RankBoard
+from air_magic.display.rank_board import RankBoard, counts_words
 from air_magic.display.summary_view import SummaryView
 from air_magic.display.tab_view import TabView
 from air_magic.protocol.events import (
@@ -109,6 +112,8 @@ class WidgetDisplay:
                 self._make(event.world_size)
             else:
                 self._board.nodes = event.node_of()
+                if isinstance(self._view, SummaryView):
+                    self._view.nodes_known()
                 self._flush(force=True)  # its log folder and mode, in the header
         elif self._run is None:
             return
@@ -138,12 +143,10 @@ class WidgetDisplay:
             view.root_cause = event.failed_rank
         self._dirty.update(range(len(self._board)))
         self._flush(force=True)
-        # The root cause's output first. A call of many ranks that succeeded shows rank 0's; a few
-        # ranks' tabs stay on the tab the user chose (rank 0's unless one was clicked).
+        # The root cause's output first. Otherwise the tabs stay where the user left them: rank 0's
+        # unless a tab was clicked, or a rank opened from the list.
         if view is not None and event.failed_rank is not None:
             view.select(event.failed_rank)
-        elif isinstance(view, SummaryView):
-            view.select(0)
         if self._handle is not None:
             self._handle.update(self._bundle(), raw=True)
         _retire_the_oldest(self)
@@ -198,7 +201,7 @@ class WidgetDisplay:
                 for r in record.shown_ranks(board.states, self._root_cause)
             ],
             cpu_mode=self._run is not None and self._run.cpu_mode,
-            counts=record.counts_of(board.states),
+            counts=counts_words(board.states),
             nodes=len(set(board.nodes)),
         )
         bundle["text/html"] = record.as_html(now)

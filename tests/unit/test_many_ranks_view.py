@@ -81,8 +81,8 @@ def test_a_failure_among_a_thousand_ranks_takes_a_tab_and_is_shown_first():
     # The list puts the root cause first; the record beside the view lists a few ranks, not 1,000.
     assert view.pick.options[0] == ("rank 737 ✗ failed · node 92 · 5 lines · raised an exception", 737)
     bundle = display._bundle()
-    assert "1 failed, 999 killed; listed here: 0, 1, 2" in bundle["text/plain"]
-    assert bundle["text/plain"].count("\n  rank ") == 10 and "rank 737 failed" in bundle["text/plain"]
+    assert "1 failed, 999 killed; listed here: 0, 737, 1, 2 (every" in bundle["text/plain"]
+    assert bundle["text/plain"].count("\n  rank ") == 4 and "rank 737 failed" in bundle["text/plain"]
     assert len(bundle["text/html"].encode()) < 20_000
 
 
@@ -127,6 +127,42 @@ def test_a_rank_quiet_for_long_takes_a_tab_that_held_a_rank_doing_fine(monkeypat
     assert "quiet 31 s" in label
 
 
+def test_a_failure_takes_a_tab_from_a_quiet_rank_and_the_list_picks_its_first_entry(monkeypatch):
+    """Only rank 0 prints: after QUIET_S every other rank is quiet, which must not keep a failure out."""
+    display = _started(64)
+    view = display._view
+    assert isinstance(view, SummaryView)
+    clock = [time.monotonic()]
+    monkeypatch.setattr(summary_view.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr("air_magic.display.rank_board.time.monotonic", lambda: clock[0])
+    clock[0] += many_ranks.QUIET_S + 5
+    display._board.output(0, "stdout", "rank 0 is the only one printing\n")
+    view.refresh(set(), "", None, force=True)
+    quiet_tabs = list(view.slots)
+    display.handle(RankExited(41, RankState.FAILED, 1, "raised an exception"))
+    view.refresh(set(), "", None, force=True)
+    assert 41 in view.slots and view.slots[0] == 0 and len(set(view.slots) - set(quiet_tabs)) == 1
+    assert view.pick.value is None and view.pick.options[0][1] == 41
+    view.pick.value = 41  # a click on the first entry: a change, since nothing was chosen
+    assert view.tab.selected_index == view.slots.index(41) and view.pick.value is None
+
+
+def test_a_retired_view_leaves_no_widget_model_behind():
+    from ipywidgets.widgets.widget import _instances  # every open model (ipywidgets 8)
+
+    before = set(_instances)
+    display = _started(64)
+    display.handle(RunFinished("run-1", "succeeded", 1.0, "/logs/run-1"))
+    display.retire()
+    assert set(_instances) - before <= {m.model_id for m in _shared_models()}
+
+
+def _shared_models():
+    from air_magic.display import widget_parts
+
+    return list(widget_parts._SHARED.values())
+
+
 def test_any_rank_opens_from_the_filter_in_the_last_tab():
     display = _started()
     view = display._view
@@ -149,3 +185,4 @@ def test_filter_terms():
     assert many_ranks.matching(board, "node 2") == list(range(16, 24))
     assert many_ranks.matching(board, "n4, failed") == [7, *range(32, 40)]
     assert many_ranks.matching(board, "no such thing") == []
+    assert many_ranks.matching(board, "²") == []  # a digit to str.isdigit, not a rank

@@ -22,7 +22,7 @@ def test_a_tqdm_style_stream_ends_as_its_final_line():
     assert screen.stream_outputs() == (
         {"output_type": "stream", "name": "stdout", "text": "100%|#####| 3/3\n"},
     )
-    screen.write("stderr", "Traceback (most recent call last):\n")
+    screen.write("stderr", "Traceback (most recent call last):\r\n")  # a CRLF ending is no redraw
     assert screen.stream_outputs()[-1] == {
         "output_type": "stream",
         "name": "stderr",
