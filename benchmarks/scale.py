@@ -7,8 +7,12 @@ values with ``mlflow.log_metric`` into the embedded store (a fresh one in a temp
 issue measured. Per rank count: the call's wall time, the caller's own CPU (this process, all its
 threads: the output router, the metric writer, the display; not the ranks, not the warm starter)
 and peak RSS, the open-file limit it ran under, and the rows found in the store (all must be
-there). Set ``AIR_MAGIC_FORCE_CPU=1`` on a GPU machine to run CPU ranks. A synthetic mode for
-counts past the machine (1,000 ranks) is still to come (issue 34, item 3).
+there). Set ``AIR_MAGIC_FORCE_CPU=1`` on a GPU machine to run CPU ranks.
+
+``--synthetic``: past what the machine can run, synthetic ranks through the real caller
+(``benchmarks/synthetic_ranks.py``): each rank prints ``--rate`` lines and logs ``--rate``
+metrics a second, redraws a bar twice a second, one rank at a time bursts 2,000 lines every 5 s,
+for ``--seconds``; the widget view's messages counted. One JSON row per rank count.
 """
 
 from __future__ import annotations
@@ -78,7 +82,13 @@ def main() -> None:
     parser.add_argument("--lines", type=int, default=200)
     parser.add_argument("--metrics", type=int, default=200)
     parser.add_argument("--display", default="none")
+    parser.add_argument("--synthetic", action="store_true", help="synthetic ranks (see above)")
+    parser.add_argument("--rate", type=float, default=10.0, help="--synthetic: lines and metrics a second")
+    parser.add_argument("--seconds", type=float, default=20.0, help="--synthetic: how long each call")
     args = parser.parse_args()
+    if args.synthetic:
+        _synthetic(args)
+        return
     folder = tempfile.mkdtemp(prefix="scale-")
     os.environ.setdefault("AIR_MAGIC_MLFLOW_DIR", os.path.join(folder, "mlflow"))
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -90,6 +100,22 @@ def main() -> None:
         except Exception as exc:  # noqa: BLE001 - the next count still runs; the failure is the row
             error = f"{type(exc).__name__}: {str(exc)[:300]}"
             print(json.dumps({"ranks": ranks, "error": error}), flush=True)
+
+
+def _synthetic(args: argparse.Namespace) -> None:
+    """Each rank count in a process of its own: one call's widgets and store, nothing carried over."""
+    import subprocess
+
+    harness = os.path.join(os.path.dirname(os.path.abspath(__file__)), "synthetic_ranks.py")
+    print(json.dumps({"cpus": os.cpu_count(), "mode": "synthetic", "rate": args.rate}), flush=True)
+    display = "tabs" if args.display == "none" else args.display
+    for ranks in args.ranks:
+        rate = str(args.rate)
+        command = [sys.executable, harness, "--ranks", str(ranks), "--seconds", str(args.seconds)]
+        command += ["--lines-per-s", rate, "--metrics-per-s", rate, "--display", display]
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        lines = done.stdout.strip().splitlines()
+        print(lines[-1] if lines else json.dumps({"ranks": ranks, "error": done.stderr[-300:]}), flush=True)
 
 
 if __name__ == "__main__":

@@ -185,6 +185,8 @@ class SyntheticCall(CallLoop):
         self.procs: list[subprocess.Popen[bytes]] = []
         self.selector = selectors.DefaultSelector()
         self.buffers: dict[int, bytearray] = {}
+        self.rows_written = 0  # metric rows in the ranks' files once they are gone: all must be stored
+        self.failure_seen: float | None = None  # when the first failure's fact reached the caller
 
     def start(self) -> bool:
         s = self.scenario
@@ -259,9 +261,11 @@ class SyntheticCall(CallLoop):
                 exception=None,
             )
             record = serialization.dumps(error)
+            self.failure_seen = self.failure_seen or time.monotonic()
             self.ledger.take(node, Raised(who, record))
             self.ledger.take(node, _exited(who, 1, error=record))
         elif kind == LOST:
+            self.failure_seen = self.failure_seen or time.monotonic()
             self.ledger.take(who, NodeLost("its raylet died (synthetic)"))
 
     def stop(self, grace_s: float, signum: int = signal.SIGTERM) -> None:
@@ -289,6 +293,12 @@ class SyntheticCall(CallLoop):
             if proc.stdout is not None:
                 proc.stdout.close()
         self.selector.close()
+        folder = self.request.env.get(env_names.METRICS_DIR)
+        if folder and os.path.isdir(folder):
+            for name in os.listdir(folder):
+                with open(os.path.join(folder, name), "rb") as f:
+                    self.rows_written += f.read().count(b"\n")
+        SyntheticBackend.last_call = self
 
 
 def _exited(rank: int, code: int, **kw: object) -> Exited:
@@ -308,6 +318,7 @@ class SyntheticBackend:
     """The backend seam (``backends/base.py``) over :class:`SyntheticCall`."""
 
     name = "synthetic"
+    last_call: SyntheticCall | None = None
 
     def __init__(self, scenario: Scenario):
         self.scenario = scenario
@@ -335,11 +346,13 @@ class Probe:
 
     def __init__(self) -> None:
         self.events = 0  # from the first rank output on
+        self.lines = 0
         self.latencies: list[float] = []
         self.first: float | None = None  # the first rank output: the steady part starts
         self.last = 0.0
         self.cpu_first = self.cpu_last = 0.0
         self.sent_first = self.sent_last = 0
+        self.finished: RunFinished | None = None
 
     def handle(self, event: Event) -> None:
         now = time.monotonic()
@@ -347,6 +360,7 @@ class Probe:
             if self.first is None:
                 self.first, self.cpu_first, self.sent_first = now, _cpu(), CountingComm.sent_bytes
             self.events += 1
+            self.lines += event.text.count("\n")
             self.last = now
             at = event.text.find("@t=")
             if at >= 0:
@@ -356,6 +370,7 @@ class Probe:
             self.events += 1
             if isinstance(event, RunFinished):
                 self.last, self.cpu_last, self.sent_last = now, _cpu(), CountingComm.sent_bytes
+                self.finished = event
 
 
 def _cpu() -> float:
@@ -444,16 +459,25 @@ def run_scenario(scenario: Scenario, display: str = "tabs", tracking: bool = Tru
     cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
     steady_s = max(probe.last - (probe.first or probe.last), 1e-9)
     lat = sorted(probe.latencies) or [0.0]
-    rows = stored = None
+    stored = None
     if tracking and prepared.record is not None:
-        rows = scenario.ranks * int(scenario.metrics_per_s * scenario.seconds)  # at most; a failure cuts it
         stored = _rows_in_store(prepared.record.run_id)
+    call = SyntheticBackend.last_call
+    view = displays[0]._view if displays and hasattr(displays[0], "_view") else None
     return {
         "ranks": scenario.ranks,
         "nodes": scenario.nodes,
         "display": display,
         "outcome": str(result.outcome),
-        "root_cause": getattr(result.error, "air_magic_rank", None),
+        "root_cause": probe.finished.failed_rank if probe.finished else None,
+        "error": None if result.error is None else str(result.error)[:400],
+        "log_dir": result.log_dir,
+        "tabs_hold": list(getattr(view, "slots", [])),
+        # From the failure's fact reaching the caller to the call's end, its root cause named and
+        # every other rank stopped (the synthetic ranks stop at once: the loop's share of it).
+        "failure_to_end_s": (
+            round(probe.last - call.failure_seen, 3) if call is not None and call.failure_seen else None
+        ),
         "wall_s": round(wall, 2),
         "caller_cpu_s": round(cpu, 2),
         # From the first rank output to the end (what the ranks' streams cost, not the call's set-up).
@@ -462,6 +486,9 @@ def run_scenario(scenario: Scenario, display: str = "tabs", tracking: bool = Tru
         "caller_maxrss_mb": round(after.ru_maxrss / 1024, 1),
         "caller_rss_mb": round(psutil.Process().memory_info().rss / 2**20, 1),
         "events_per_s": round(probe.events / steady_s),
+        "lines_per_s": round(probe.lines / steady_s),
+        # What one core of the caller takes at this mix: its ceiling, whatever the generators managed.
+        "lines_per_caller_cpu_s": round(probe.lines / max(probe.cpu_last - probe.cpu_first, 1e-9)),
         "latency_ms_p50": round(1000 * lat[len(lat) // 2], 1),
         "latency_ms_p99": round(1000 * lat[int(len(lat) * 0.99)], 1),
         "latency_ms_max": round(1000 * lat[-1], 1),
@@ -469,7 +496,7 @@ def run_scenario(scenario: Scenario, display: str = "tabs", tracking: bool = Tru
         "browser_bytes": CountingComm.sent_bytes - sent_before,
         "metric_rows_stored": stored,
         "metric_rows_per_s": round(stored / steady_s) if stored else None,
-        "metric_rows_at_most": rows,
+        "metric_rows_written": call.rows_written if call is not None else None,
     }
 
 

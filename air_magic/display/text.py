@@ -58,6 +58,8 @@ class TextDisplay:
         self._summary = False  # many ranks: rank 0 live, failing ranks' tails, counts at the end
         self._tails: dict[int, str] = {}
         self._ended: Counter[str] = Counter()
+        self._nodes: list[int] = []  # each rank's node (many ranks: failures are counted by node)
+        self._failed_on: Counter[int] = Counter()
 
     def set_record(self, record: RecordLink | None) -> None:
         """The call's MLflow run, known once it exists (before the ranks start)."""
@@ -90,7 +92,13 @@ class TextDisplay:
             if self._summary:
                 self._root_cause_tail(event.failed_rank)
                 counts = ", ".join(f"{n} {how}" for how, n in self._ended.most_common())
-                self._note(f"ranks: {counts}")
+                nodes = len(set(self._nodes))
+                on = f" on {nodes} nodes" if nodes > 1 else ""
+                failed = ""
+                if nodes > 1 and self._failed_on:
+                    by_node = sorted(self._failed_on.items(), key=lambda item: (-item[1], item[0]))
+                    failed = "; failed by node: " + ", ".join(f"node {n}: {c}" for n, c in by_node[:10])
+                self._note(f"ranks{on}: {counts}{failed}")
             self._note(f"{event.outcome} in {event.elapsed:.1f} s; logs: {event.log_dir}")
 
     def _started(self, event: RunStarted) -> None:
@@ -107,6 +115,7 @@ class TextDisplay:
         self._note(f"running {event.name} on {where}")
         if self._ranks is None and event.world_size > MANY_RANKS:
             self._summary = True
+            self._nodes = event.node_of()
             self._ranks = {0}
             self._note(
                 f"{event.world_size} ranks: the console shows rank 0's output, and the last lines "
@@ -119,6 +128,8 @@ class TextDisplay:
         """Many ranks: counted by how they ended; a failed rank's tail kept until the root cause is known."""
         killed = event.state is RankState.KILLED
         self._ended[f"killed ({event.reason})" if killed else event.state.value] += 1
+        if event.state is RankState.FAILED and event.rank < len(self._nodes):
+            self._failed_on[self._nodes[event.rank]] += 1
         if event.state is not RankState.FAILED:
             self._tails.pop(event.rank, None)
 

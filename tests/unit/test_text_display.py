@@ -8,10 +8,13 @@ from air_magic.display.text import MANY_RANKS, TextDisplay
 from air_magic.protocol.events import Outcome, RankExited, RankOutput, RankState, RunFinished, RunStarted
 
 
-def _shown(world: int, failed: int | None, ranks: set[int] | None = None) -> tuple[str, str]:
+def _shown(
+    world: int, failed: int | None, ranks: set[int] | None = None, per_node: int = 0
+) -> tuple[str, str]:
     out, err = io.StringIO(), io.StringIO()
     display = TextDisplay(out=out, err=err, ranks=ranks)
-    display.handle(RunStarted("r", world, "gloo", "cpu", False, "/logs", "train"))
+    nodes = (per_node,) * (world // per_node) if per_node else ()
+    display.handle(RunStarted("r", world, "gloo", "cpu", False, "/logs", "train", nodes))
     for rank in range(world):
         display.handle(RankOutput(rank, "stdout", "".join(f"rank {rank} step {i}\n" for i in range(30))))
     for rank in range(world):
@@ -37,7 +40,7 @@ def test_few_ranks_show_every_line():
 
 def test_many_ranks_show_rank_0_the_root_causes_last_lines_and_counts():
     world = 1000
-    out, err = _shown(world, failed=737)
+    out, err = _shown(world, failed=737, per_node=8)
     assert out.count("\n") == 30 and all(line.startswith("[rank   0] ") for line in out.splitlines())
     assert "1000 ranks: the console shows rank 0's output" in err and "/logs" in err
     assert "rank 737 failed first; its last lines:" in err
@@ -45,7 +48,10 @@ def test_many_ranks_show_rank_0_the_root_causes_last_lines_and_counts():
     assert tail == [f"[rank 737] rank 737 step {i}" for i in range(10, 30)]  # its last 20 lines
     assert {line.split("]")[0] for line in err.splitlines() if line.startswith("[rank")} == {"[rank 737"}
     failed = 1 + len([r for r in range(1, world) if r % 3 == 0 and r != 737])
-    assert f"ranks: {world - failed} killed (stopped by air_magic), {failed} failed" in err
+    assert f"ranks on 125 nodes: {world - failed} killed (stopped by air_magic), {failed} failed" in err
+    # Which nodes the failures were on, most first (a bad node stands out): ten at most.
+    assert "; failed by node: node 1: 3, node 3: 3, node 4: 3," in err
+    assert err.count("node ") == 10  # ten nodes named ("125 nodes" has no space after it)
 
 
 def test_many_ranks_that_succeed_are_counted_and_chosen_ranks_are_kept():
