@@ -422,15 +422,18 @@ class CountingComm:
         pass
 
 
-def run_scenario(scenario: Scenario, display: str = "tabs", tracking: bool = True) -> dict[str, object]:
-    """One synthetic call through the real caller; what it cost."""
+def run_scenario(
+    scenario: Scenario, display: str = "tabs", tracking: bool = True, count_bytes: bool = True
+) -> dict[str, object]:
+    """One synthetic call through the real caller; what it cost. ``count_bytes=False`` in a real
+    kernel: the widgets go to the page (a browser shows the view of 1,000 ranks)."""
     import comm
     import psutil
 
     from air_magic.calls.call import prepare_call
     from air_magic.launch.settings import make_settings
 
-    if display == "tabs":
+    if display == "tabs" and count_bytes:
         import IPython.display
 
         comm.create_comm = CountingComm  # ipywidgets 8 makes every comm through this

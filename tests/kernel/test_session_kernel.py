@@ -97,7 +97,7 @@ def test_the_stop_button_interrupts_the_cell_and_keeps_the_session(tmp_path):
             "%%distributed --display text\nimport os, time\nprint(f'pid={os.getpid()}', flush=True)\n"
             "time.sleep(300)\n"
         )
-        pids = kernel.wait_for_pids(msg_id, 2)[0]
+        pids, lines = kernel.wait_for_pids(msg_id, 2)
         kernel.km.interrupt_kernel()
         reply = kernel.kc.get_shell_msg(timeout=60)
         assert reply["parent_header"]["msg_id"] == msg_id
@@ -106,8 +106,18 @@ def test_the_stop_button_interrupts_the_cell_and_keeps_the_session(tmp_path):
         values = json.loads(
             kernel.printed("import json, air_magic\nprint(json.dumps(air_magic.last_run().values))")
         )
-        # the same ranks (the pids came in the order the ranks printed), their state kept
-        assert [v[0] for v in values] == [42, 42] and sorted(v[1] for v in values) == sorted(pids)
+        # the same ranks (the pids came in the order the ranks printed), their state kept. (Once in
+        # a CI simulation under load the pids differed with the values right: what it printed and the
+        # session's state say why, if it comes again.)
+        status = (
+            kernel.printed("%distributed session status")
+            if sorted(v[1] for v in values) != sorted(pids)
+            else ""
+        )
+        assert [v[0] for v in values] == [42, 42] and sorted(v[1] for v in values) == sorted(pids), (
+            lines,
+            status,
+        )
         kernel.printed("%distributed session stop")
         assert gone_within(pids)
 

@@ -27,6 +27,12 @@ from air_magic.launch.accelerators import DEFAULT_CPU_RANKS, GPU, AcceleratorPla
 from air_magic.protocol import env_names
 
 PLACE_WAIT_S = 10.0
+# The node agents start as Ray starts a worker process on each node, all at once: on a big cluster
+# (or many simulated nodes on few cores, where they all finish together) that takes longer than any
+# fixed wait. So the first answer may take AGENT_STALL_S plus AGENT_START_PER_NODE_S a node, and
+# after it the wait goes on while agents keep answering, failing after AGENT_STALL_S without one.
+AGENT_STALL_S = 60.0
+AGENT_START_PER_NODE_S = 3.0
 AGENT_CONCURRENCY = 8  # poll, stop, start... of one call at once: never a queue behind a long poll
 
 
@@ -123,6 +129,26 @@ def place_wait_s() -> float:
         raise ConfigurationError(f"{env_names.RAY_PLACE_WAIT}={raw!r} must be a number of seconds") from None
 
 
+def _agents_described(ray: Any, agents: list[Any]) -> list[dict[str, Any]]:
+    """Each agent's description, in order, once all have started: waited for while they keep
+    coming (AGENT_STALL_S without a new one fails the call, naming how many started)."""
+    refs = [agent.describe.remote() for agent in agents]
+    pending = list(refs)
+    wait = AGENT_STALL_S + AGENT_START_PER_NODE_S * len(refs)  # for the first answer
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=len(pending), timeout=wait)
+        if not ready and pending:
+            started = len(refs) - len(pending)
+            raise LaunchError(
+                f"the air_magic agents of the Ray nodes did not all start: {started} of {len(refs)} "
+                f"answered, and none in the last {wait:g} s (Ray could not start a worker "
+                "process on the others' nodes: their logs under the Ray session's logs folder say why). "
+                "Nothing was launched."
+            )
+        wait = AGENT_STALL_S
+    return list(ray.get(refs))
+
+
 class Pool:
     """A shape's reservation and its agents, one per node; :meth:`release` gives it all back."""
 
@@ -166,7 +192,7 @@ class Pool:
                 else:
                     options.update(num_cpus=count)
                 self.agents.append(remote.options(**options).remote())
-            self.nodes = ray.get([agent.describe.remote() for agent in self.agents], timeout=120)
+            self.nodes = _agents_described(ray, self.agents)
         except BaseException:
             self.release()
             raise
