@@ -104,3 +104,40 @@ def test_the_cluster_setting():
     for bad in ("spark", "ray=", 3):
         with pytest.raises(ConfigurationError, match="cluster must be"):
             make_settings(cluster=bad)
+
+
+class _SlowAgents:
+    """Ray's ``wait``/``get`` as seen by the pool while its node agents start: ``batches`` says how
+    many answer at each wait (0: none within the wait); the timeouts asked for are kept."""
+
+    def __init__(self, batches: list[int]):
+        self.batches = batches
+        self.timeouts: list[float] = []
+
+    def wait(self, pending, num_returns, timeout):
+        self.timeouts.append(timeout)
+        n = self.batches.pop(0) if self.batches else 0
+        return pending[:n], pending[n:]
+
+    def get(self, refs):
+        return [{"ref": r} for r in refs]
+
+
+class _Agent:
+    def __init__(self, i: int):
+        self.describe = type("Remote", (), {"remote": staticmethod(lambda i=i: i)})
+
+
+def test_node_agents_are_waited_for_while_they_keep_starting_and_a_stall_is_named():
+    from air_magic.backends.ray import placement
+    from air_magic.errors import LaunchError
+
+    slow = _SlowAgents([10, 30, 24])  # 64 agents: 10, then 30, then the last 24
+    described = placement._agents_described(slow, [_Agent(i) for i in range(64)])
+    assert [d["ref"] for d in described] == list(range(64))
+    first = placement.AGENT_STALL_S + placement.AGENT_START_PER_NODE_S * 64  # all start at once
+    assert slow.timeouts == [first, placement.AGENT_STALL_S, placement.AGENT_STALL_S]
+
+    stalled = _SlowAgents([10, 0])
+    with pytest.raises(LaunchError, match=r"did not all start: 10 of 64 answered, and none in the last 60 s"):
+        placement._agents_described(stalled, [_Agent(i) for i in range(64)])
