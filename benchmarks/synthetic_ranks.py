@@ -128,7 +128,8 @@ def generate(scenario: Scenario, first: int, last: int, metrics_dir: str | None)
                 continue
             if scenario.fail_rank == r and elapsed >= scenario.fail_at:
                 message = f"rank {r} hit a bad batch".encode()
-                frames.append(FRAME.pack(STDERR, r, 26) + b"Traceback: a bad batch...\n")
+                text = b"\nTraceback (most recent call last):\nValueError: a bad batch\n"  # after its bar
+                frames.append(FRAME.pack(STDERR, r, len(text)) + text)
                 frames.append(FRAME.pack(FAIL, r, len(message)) + message)
                 gone.add(r)
                 continue

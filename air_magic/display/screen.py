@@ -51,13 +51,19 @@ class RankScreen:
             self.lines.popleft()
             self.dropped += 1
 
-    def stream_outputs(self) -> tuple[dict[str, str], ...]:
-        """The screen as Jupyter stream outputs: consecutive lines of one stream merged."""
+    def stream_outputs(self, last: int | None = None) -> tuple[dict[str, str], ...]:
+        """The screen as Jupyter stream outputs: consecutive lines of one stream merged.
+
+        ``last``: only the last lines, after one saying how many earlier ones the log has (a tab
+        shows its top first: a short tail shows the end, a traceback say, without scrolling)."""
         partial = [
             (_shown_as(s, split.rest()), visible(split.rest())[-self.max_line_chars :])
             for s, split in self._splitters.items()
         ]
         rows = list(self.lines) + [(s, p) for s, p in partial if p]
+        if last is not None and len(rows) + self.dropped > last:
+            earlier = len(rows) + self.dropped - last
+            rows = [("stdout", f"… {earlier} earlier line(s) in the log")] + rows[-last:]
         outputs: list[dict[str, str]] = []
         for stream, group in itertools.groupby(rows, key=lambda row: row[0]):
             text = "".join(line + "\n" for _, line in group)

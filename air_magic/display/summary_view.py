@@ -17,8 +17,9 @@ view shows instead:
   from the page: docs/architecture.md, "The view of many ranks").
 
 What reaches the browser is bounded whatever the rank count: at most SLOTS tabs'
-outputs every ``FLUSH_S`` (each a capped screen: ``rank_board.py``), and the grid
-and the list (tens of kilobytes at most for 1,000 ranks) every SLOW_S.
+outputs every ``FLUSH_S`` (each the last :data:`TAB_LINES` lines of a capped screen:
+``rank_board.py``), and the grid and the list (tens of kilobytes at most for 1,000
+ranks) every SLOW_S.
 
 A background call's events come on its own thread while a pick in the list comes
 on the kernel's: one lock keeps the tabs' ranks, titles and list consistent.
@@ -36,6 +37,7 @@ from air_magic.display.rank_board import RankBoard
 
 SLOTS = 8  # tabs of live output: rank 0, the ranks worth a look, the rank opened last
 SLOW_S = 1.0  # the counts, the grid, the list and which ranks the tabs hold change at most this often
+TAB_LINES = 20  # the end of a rank's output in its tab: fits without scrolling (its screen keeps more)
 
 _HELP = (
     '<div style="line-height:1.4"><small style="color:#666">open any rank: a rank (737), a range '
@@ -128,7 +130,7 @@ class SummaryView:
                 self._relist()
             for slot, rank in enumerate(self.slots):
                 if rank in dirty or slot in moved:
-                    self.outputs[slot].outputs = self.board.screens[rank].stream_outputs()
+                    self.outputs[slot].outputs = self.board.screens[rank].stream_outputs(TAB_LINES)
 
     def select(self, rank: int) -> None:
         """Show ``rank``'s tab. If no tab holds it, it takes the tab of the rank least worth a look
@@ -140,7 +142,7 @@ class SummaryView:
                 candidates = candidates or list(range(1, len(self.slots))) or [0]
                 slot = max(candidates, key=lambda s: (self._score(self.slots[s], now), s))
                 self.slots[slot] = rank
-                self.outputs[slot].outputs = self.board.screens[rank].stream_outputs()
+                self.outputs[slot].outputs = self.board.screens[rank].stream_outputs(TAB_LINES)
                 self._retitle()
             self.tab.selected_index = self.slots.index(rank)
 

@@ -68,3 +68,17 @@ def test_a_huge_line_is_cut_for_display():
     screen.write("stdout", "x" * 50_000 + "\n")
     (out,) = screen.stream_outputs()
     assert len(out["text"]) < 11_000 and "more characters in the log" in out["text"]
+
+
+def test_a_short_tail_says_how_many_earlier_lines_the_log_has():
+    screen = RankScreen(max_lines=5)
+    screen.write("stdout", "".join(f"line {i}\n" for i in range(10)))
+    screen.write("stderr", "Traceback (most recent call last):\nValueError: x\n")
+    assert screen.stream_outputs(3) == (
+        {"output_type": "stream", "name": "stdout", "text": "… 9 earlier line(s) in the log\nline 9\n"},
+        {
+            "output_type": "stream",
+            "name": "stderr",
+            "text": "Traceback (most recent call last):\nValueError: x\n",
+        },
+    )
