@@ -73,7 +73,7 @@ def main() -> None:
         assert values is not None
         ranks = sorted(v[0] for v in values)
         by_node: dict[int, list[int]] = {}
-        for rank, local, node_rank, _pid in values:
+        for _rank, local, node_rank, _pid in values:
             by_node.setdefault(node_rank, []).append(local)
         row["every_rank_once"] = ranks == list(range(world))
         row["nodes_used"] = len(by_node)
@@ -84,7 +84,8 @@ def main() -> None:
         placement.release_all(force=True)
         from ray.util.placement_group import placement_group_table
 
-        row["placement_groups_left"] = sum(1 for v in placement_group_table().values() if v["state"] != "REMOVED")
+        groups = placement_group_table().values()
+        row["placement_groups_left"] = sum(1 for v in groups if v["state"] != "REMOVED")
         row["caller_rss_mb"] = round(psutil.Process().memory_info().rss / 2**20)
         row["machine_used_gb"] = round(psutil.virtual_memory().used / 2**30, 1)
     except Exception as exc:  # noqa: BLE001 - the row says what failed

@@ -18,9 +18,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from air_magic.calls.call import run_call  # noqa: E402
-from air_magic.launch.settings import make_settings  # noqa: E402
-from air_magic.protocol.events import Event, RankExited, RankState, RunFinished  # noqa: E402
+from air_magic.calls.call import run_call
+from air_magic.launch.settings import make_settings
+from air_magic.protocol.events import Event, RankExited, RankState, RunFinished
 
 
 def work() -> None:
