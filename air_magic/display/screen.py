@@ -63,7 +63,7 @@ class RankScreen:
         rows = list(self.lines) + [(s, p) for s, p in partial if p]
         if last is not None and len(rows) + self.dropped > last:
             earlier = len(rows) + self.dropped - last
-            rows = [("stdout", f"… {earlier} earlier line(s) in the log")] + rows[-last:]
+            rows = [("stdout", f"… {earlier} earlier line(s) in the log"), *rows[-last:]]
         outputs: list[dict[str, str]] = []
         for stream, group in itertools.groupby(rows, key=lambda row: row[0]):
             text = "".join(line + "\n" for _, line in group)
