@@ -18,6 +18,7 @@ import pytest
 from helpers.modules import skip_unless_installed
 
 pytestmark = skip_unless_installed("mlflow", "ipywidgets", "psutil")
+fault = pytest.mark.fault
 HARNESS = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "synthetic_ranks.py")
 
 
@@ -35,6 +36,9 @@ def _harness(tmp_path, *args: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@fault(
+    "a rank failing among 1,000 (synthetic ranks, 125 nodes)", "it is the root cause; every metric row stored"
+)
 @pytest.mark.timeout(120)
 def test_a_rank_failing_among_a_thousand_is_the_root_cause_and_no_metric_row_is_lost(tmp_path):
     got = _harness(
@@ -52,6 +56,7 @@ def test_a_rank_failing_among_a_thousand_is_the_root_cause_and_no_metric_row_is_
     assert "rank 737 step" in log and "ValueError: a bad batch" in log
 
 
+@fault("a node lost among 25 (synthetic ranks)", "the node and its ranks named; every metric row stored")
 @pytest.mark.timeout(120)
 def test_a_node_lost_among_25_is_named_with_its_ranks(tmp_path):
     got = _harness(
