@@ -5,10 +5,10 @@
 A real Ray cluster of ``--nodes`` nodes on this machine (``ray.cluster_utils.Cluster``, loopback,
 one CPU and ``--gpus-per-node`` fake GPUs each: Ray schedules by the count, no driver is touched),
 then one air_magic call of nodes x gpus ranks on it through the Ray backend; the ranks are trivial
-(each returns its rank variables). Reported: the cluster's start, the call's prepare (the pool:
-placement group and one agent per node) and run times, that every rank ran where the plan said
-(RANK, LOCAL_RANK, NODE_RANK), and that nothing was left afterwards (no rank process, no placement
-group beyond the pool, no other actor). The issue's target is 125 nodes x 8 (1,000 ranks) on a
+(each returns its rank variables). Reported: the cluster's start, the call's time (the pool --
+placement group and one agent per node -- and the run), that every rank ran where the plan said
+(RANK, LOCAL_RANK, NODE_RANK), and what was left afterwards: rank processes, and placement groups
+once the pool is given back. The issue's target is 125 nodes x 8 (1,000 ranks) on a
 16-core machine; a 2-core machine of 23 GB holds fewer (each node is a raylet and an agent).
 """
 

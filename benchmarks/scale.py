@@ -81,7 +81,7 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=[8, 32, 64, 128, 256])
     parser.add_argument("--lines", type=int, default=200)
     parser.add_argument("--metrics", type=int, default=200)
-    parser.add_argument("--display", default="none")
+    parser.add_argument("--display", default=None, help="none for real ranks, tabs for --synthetic")
     parser.add_argument("--synthetic", action="store_true", help="synthetic ranks (see above)")
     parser.add_argument("--rate", type=float, default=10.0, help="--synthetic: lines and metrics a second")
     parser.add_argument("--seconds", type=float, default=20.0, help="--synthetic: how long each call")
@@ -96,7 +96,7 @@ def main() -> None:
     measure(2, 1, 1, "none")  # the warm starter and MLflow up: not part of any row
     for ranks in args.ranks:
         try:
-            print(json.dumps(measure(ranks, args.lines, args.metrics, args.display)), flush=True)
+            print(json.dumps(measure(ranks, args.lines, args.metrics, args.display or "none")), flush=True)
         except Exception as exc:  # noqa: BLE001 - the next count still runs; the failure is the row
             error = f"{type(exc).__name__}: {str(exc)[:300]}"
             print(json.dumps({"ranks": ranks, "error": error}), flush=True)
@@ -108,7 +108,7 @@ def _synthetic(args: argparse.Namespace) -> None:
 
     harness = os.path.join(os.path.dirname(os.path.abspath(__file__)), "synthetic_ranks.py")
     print(json.dumps({"cpus": os.cpu_count(), "mode": "synthetic", "rate": args.rate}), flush=True)
-    display = "tabs" if args.display == "none" else args.display
+    display = args.display or "tabs"
     for ranks in args.ranks:
         rate = str(args.rate)
         command = [sys.executable, harness, "--ranks", str(ranks), "--seconds", str(args.seconds)]

@@ -45,7 +45,7 @@ from air_magic.backends.call_loop import CallLoop
 from air_magic.launch.accelerators import AcceleratorPlan
 from air_magic.launch.request import LaunchRequest, RunResult, StopRequest
 from air_magic.launch.settings import LaunchSettings
-from air_magic.protocol import env_names, serialization
+from air_magic.protocol import env_names, serialization, wire
 from air_magic.protocol.events import Event, EventBus, RankOutput, RunFinished
 from air_magic.protocol.node_events import Exited, NodeLost, Output, Raised
 from air_magic.protocol.wire import ErrorRecord
@@ -90,7 +90,7 @@ def generate(scenario: Scenario, first: int, last: int, metrics_dir: str | None)
     metric_files = {}
     if metrics_dir:
         for r in ranks:
-            metric_files[r] = open(os.path.join(metrics_dir, f"rank-{r}.tsv"), "ab", buffering=0)  # noqa: SIM115
+            metric_files[r] = open(wire.metrics_path(metrics_dir, r), "ab", buffering=0)  # noqa: SIM115
     gone: set[int] = set()
     start = time.monotonic()
     step = 0
@@ -158,7 +158,8 @@ def generate(scenario: Scenario, first: int, last: int, metrics_dir: str | None)
                 ms = int(time.time() * 1000)
                 # Each rank's own value: MLflow keeps one row of equal (key, step, time, value).
                 rows = "".join(
-                    f"loss\t{1.0 / (step + i + 1) + r * 1e-9}\t{ms}\t{step + i}\n" for i in range(metrics)
+                    wire.metric_line("loss", 1.0 / (step + i + 1) + r * 1e-9, ms, step + i)
+                    for i in range(metrics)
                 )
                 metric_files[r].write(rows.encode())
         step += max(lines, 1)
@@ -186,8 +187,10 @@ class SyntheticCall(CallLoop):
         self.procs: list[subprocess.Popen[bytes]] = []
         self.selector = selectors.DefaultSelector()
         self.buffers: dict[int, bytearray] = {}
-        self.rows_written = 0  # metric rows in the ranks' files once they are gone: all must be stored
+        self.generators: dict[int, tuple[subprocess.Popen[bytes], int, int]] = {}  # fd: its ranks
         self.failure_seen: float | None = None  # when the first failure's fact reached the caller
+        self.rows_written: int | None = None
+        self.counting_s = self.counting_cpu_s = 0.0  # the harness's own counting, not the caller's
 
     def start(self) -> bool:
         s = self.scenario
@@ -211,6 +214,7 @@ class SyntheticCall(CallLoop):
             assert proc.stdout is not None
             os.set_blocking(proc.stdout.fileno(), False)
             self.buffers[proc.stdout.fileno()] = bytearray()
+            self.generators[proc.stdout.fileno()] = (proc, bounds[g], bounds[g + 1])
             self.selector.register(proc.stdout.fileno(), selectors.EVENT_READ)
             for rank in range(bounds[g], bounds[g + 1]):
                 self.ledger.started(rank, proc.pid)
@@ -223,12 +227,21 @@ class SyntheticCall(CallLoop):
                 data = os.read(fd, 1 << 20)
             except BlockingIOError:
                 continue
-            if not data:
+            if not data:  # the generator ended: any rank it had not ended went with it
                 self.selector.unregister(fd)
+                self._generator_gone(fd)
                 continue
             buffer = self.buffers[fd]
             buffer += data
             self._frames(buffer)
+
+    def _generator_gone(self, fd: int) -> None:
+        proc, first, last = self.generators[fd]
+        code = proc.wait()
+        for rank in range(first, last):
+            record = self.ledger.records[rank]
+            if not record.exited:
+                self.ledger.take(record.node, _exited(rank, code if code != 0 else -signal.SIGKILL))
 
     def _frames(self, buffer: bytearray) -> None:
         at = 0
@@ -294,11 +307,11 @@ class SyntheticCall(CallLoop):
             if proc.stdout is not None:
                 proc.stdout.close()
         self.selector.close()
-        folder = self.request.env.get(env_names.METRICS_DIR)
-        if folder and os.path.isdir(folder):
-            for name in os.listdir(folder):
-                with open(os.path.join(folder, name), "rb") as f:
-                    self.rows_written += f.read().count(b"\n")
+        # What the ranks wrote, to compare with the store: counted here, before the tracked run
+        # removes the folder, and taken out of the call's measured times (wall and CPU).
+        wall, cpu = time.monotonic(), _cpu()
+        self.rows_written = _rows_written(self.request.env.get(env_names.METRICS_DIR))
+        self.counting_s, self.counting_cpu_s = time.monotonic() - wall, _cpu() - cpu
         SyntheticBackend.last_call = self
 
 
@@ -342,8 +355,8 @@ class SyntheticBackend:
 
 
 class Probe:
-    """The last consumer on the bus: counts events and the latency from a rank's write (its stamp)
-    to here, after the display handled the event."""
+    """A consumer after the display (the tracked run's comes later): counts events and the latency
+    from a rank's write (its stamp) to here, after the display handled the event."""
 
     def __init__(self) -> None:
         self.events = 0  # from the first rank output on
@@ -353,6 +366,7 @@ class Probe:
         self.last = 0.0
         self.cpu_first = self.cpu_last = 0.0
         self.sent_first = self.sent_last = 0
+        self.messages_first = self.messages_last = 0
         self.finished: RunFinished | None = None
 
     def handle(self, event: Event) -> None:
@@ -360,6 +374,7 @@ class Probe:
         if isinstance(event, RankOutput):
             if self.first is None:
                 self.first, self.cpu_first, self.sent_first = now, _cpu(), CountingComm.sent_bytes
+                self.messages_first = CountingComm.messages
             self.events += 1
             self.lines += event.text.count("\n")
             self.last = now
@@ -371,6 +386,7 @@ class Probe:
             self.events += 1
             if isinstance(event, RunFinished):
                 self.last, self.cpu_last, self.sent_last = now, _cpu(), CountingComm.sent_bytes
+                self.messages_last = CountingComm.messages
                 self.finished = event
 
 
@@ -460,13 +476,17 @@ def run_scenario(
     result = prepared.run(displays, [probe])
     wall = time.monotonic() - start
     after = resource.getrusage(resource.RUSAGE_SELF)
-    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
-    steady_s = max(probe.last - (probe.first or probe.last), 1e-9)
+    call = SyntheticBackend.last_call
+    counting_s = call.counting_s if call is not None else 0.0
+    counting_cpu_s = call.counting_cpu_s if call is not None else 0.0
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime - counting_cpu_s
+    steady_s = max(probe.last - (probe.first or probe.last) - counting_s, 1e-9)
+    steady_cpu = probe.cpu_last - probe.cpu_first - counting_cpu_s
     lat = sorted(probe.latencies) or [0.0]
     stored = None
     if tracking and prepared.record is not None:
         stored = _rows_in_store(prepared.record.run_id)
-    call = SyntheticBackend.last_call
+    written = call.rows_written if call is not None else None
     view = displays[0]._view if displays and hasattr(displays[0], "_view") else None
     return {
         "ranks": scenario.ranks,
@@ -480,28 +500,44 @@ def run_scenario(
         # From the failure's fact reaching the caller to the call's end, its root cause named and
         # every other rank stopped (the synthetic ranks stop at once: the loop's share of it).
         "failure_to_end_s": (
-            round(probe.last - call.failure_seen, 3) if call is not None and call.failure_seen else None
+            round(probe.last - call.failure_seen - counting_s, 3)
+            if call is not None and call.failure_seen
+            else None
         ),
-        "wall_s": round(wall, 2),
+        "wall_s": round(wall - counting_s, 2),
         "caller_cpu_s": round(cpu, 2),
         # From the first rank output to the end (what the ranks' streams cost, not the call's set-up).
         "steady_s": round(steady_s, 2),
-        "steady_caller_cores": round((probe.cpu_last - probe.cpu_first) / steady_s, 3),
+        "steady_caller_cores": round(steady_cpu / steady_s, 3),
         "caller_maxrss_mb": round(after.ru_maxrss / 1024, 1),
         "caller_rss_mb": round(psutil.Process().memory_info().rss / 2**20, 1),
         "events_per_s": round(probe.events / steady_s),
         "lines_per_s": round(probe.lines / steady_s),
         # What one core of the caller takes at this mix: its ceiling, whatever the generators managed.
-        "lines_per_caller_cpu_s": round(probe.lines / max(probe.cpu_last - probe.cpu_first, 1e-9)),
+        "lines_per_caller_cpu_s": round(probe.lines / max(steady_cpu, 1e-9)),
         "latency_ms_p50": round(1000 * lat[len(lat) // 2], 1),
         "latency_ms_p99": round(1000 * lat[int(len(lat) * 0.99)], 1),
         "latency_ms_max": round(1000 * lat[-1], 1),
+        # The messages' content (the widget state, the display bundle); each message also carries
+        # Jupyter's envelope (headers and signature, about 0.6 KB), counted by the messages.
         "browser_bytes_per_s": round((probe.sent_last - probe.sent_first) / steady_s),
+        "browser_messages_per_s": round((probe.messages_last - probe.messages_first) / steady_s, 1),
         "browser_bytes": CountingComm.sent_bytes - sent_before,
         "metric_rows_stored": stored,
         "metric_rows_per_s": round(stored / steady_s) if stored else None,
-        "metric_rows_written": call.rows_written if call is not None else None,
+        "metric_rows_written": written,
     }
+
+
+def _rows_written(folder: str | None) -> int | None:
+    """The rows the ranks wrote to their metric files (None: no folder)."""
+    if not folder or not os.path.isdir(folder):
+        return None
+    rows = 0
+    for name in os.listdir(folder):
+        with open(os.path.join(folder, name), "rb") as f:
+            rows += f.read().count(b"\n")
+    return rows
 
 
 def _rows_in_store(run_id: str) -> int:

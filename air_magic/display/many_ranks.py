@@ -13,26 +13,11 @@ from __future__ import annotations
 import html
 import re
 
-from air_magic.display.rank_board import RankBoard, counts_words
+from air_magic.display.rank_board import COLORS, GLYPHS, RankBoard, counts_words, on_nodes
 from air_magic.protocol.events import RankState
 
 LISTED = 40  # ranks named in the list at once; the filter reaches every other
 QUIET_S = 30.0  # a running rank silent this long is called quiet in its label
-
-GLYPHS = {
-    RankState.STARTING: "○",
-    RankState.RUNNING: "●",
-    RankState.SUCCEEDED: "✓",
-    RankState.FAILED: "✗",
-    RankState.KILLED: "■",
-}
-COLORS = {
-    RankState.STARTING: "#888",
-    RankState.RUNNING: "#1a73e8",
-    RankState.SUCCEEDED: "#188038",
-    RankState.FAILED: "#d93025",
-    RankState.KILLED: "#b06000",
-}
 
 PROBLEMS_FIRST = "failed, then quiet longest"
 MOST_OUTPUT = "printed most"
@@ -147,9 +132,7 @@ def label(board: RankBoard, rank: int, now: float, nodes: bool = True) -> str:
 def counts_text(board: RankBoard) -> str:
     """``1000 ranks: 998 running, 1 failed, 1 killed`` (states in their life's order)."""
     said = counts_words(board.states)
-    nodes = len(set(board.nodes))
-    on = f" on {nodes} nodes" if nodes > 1 else ""
-    return f"{len(board)} ranks{on}: {said}"
+    return f"{len(board)} ranks{on_nodes(len(set(board.nodes)))}: {said}"
 
 
 def grid_html(board: RankBoard, chosen: int | None = None) -> str:

@@ -17,10 +17,29 @@ from air_magic.display.screen import MAX_LINE_CHARS, MAX_LINES, RankScreen
 from air_magic.protocol.events import RankState
 
 MANY_RANKS = 16  # past this many ranks the displays summarise instead of showing every rank
-# Past MANY_RANKS, what each rank's screen keeps: 100 lines of at most 1,000 characters, so 1,000 ranks
-# hold 100 MB at the very worst (and a tab's update is 100 KB at most).
-MANY_RANKS_LINES = 100
+# Past MANY_RANKS, what each rank's screen keeps: the 20 lines its tab and the record show (a tab's
+# update is about 20 KB at most), each line and the unfinished one of each stream cut at 1,000
+# characters. 1,000 ranks thus hold 22 million characters at the very worst (about 90 MB if every
+# one took 4 bytes; a few MB for lines of ordinary length).
+MANY_RANKS_LINES = 20
 MANY_RANKS_LINE_CHARS = 1000
+
+
+# How every widget view shows a rank's state.
+GLYPHS = {
+    RankState.STARTING: "○",
+    RankState.RUNNING: "●",
+    RankState.SUCCEEDED: "✓",
+    RankState.FAILED: "✗",
+    RankState.KILLED: "■",
+}
+COLORS = {
+    RankState.STARTING: "#888",
+    RankState.RUNNING: "#1a73e8",
+    RankState.SUCCEEDED: "#188038",
+    RankState.FAILED: "#d93025",
+    RankState.KILLED: "#b06000",
+}
 
 
 @dataclass
@@ -83,6 +102,16 @@ class RankBoard:
             return 0.0
         last = self.last_output_at[rank] or self.started_at[rank] or self.t0
         return now - last
+
+
+def on_nodes(nodes: int) -> str:
+    """`` on 125 nodes``, or nothing for one node: how every display says where many ranks ran."""
+    return f" on {nodes} nodes" if nodes > 1 else ""
+
+
+def tab_title(board: RankBoard, rank: int) -> str:
+    """A rank's tab title: ``rank 737 ✗`` (the glyph of its state)."""
+    return f"rank {rank} {GLYPHS[board.states[rank]]}"
 
 
 def counts_words(states: Sequence[RankState]) -> str:

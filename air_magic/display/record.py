@@ -22,11 +22,11 @@ import html
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from air_magic.display.rank_board import MANY_RANKS
+from air_magic.display.rank_board import MANY_RANKS, on_nodes
 from air_magic.protocol.events import RankState, RecordLink
 
 LAST_LINES = 20  # per rank in the record: the end of the story; the log has it all
-MAX_LINE_CHARS = 300
+RECORD_LINE_CHARS = 300  # a line of the record (the tabs cut at screen.MAX_LINE_CHARS)
 LISTED_OF_MANY = 10  # ranks a record of many ranks lists: rank 0 and the failures first
 
 
@@ -67,7 +67,7 @@ def shown_ranks(states: Sequence[RankState], root_cause: int | None) -> list[int
 
 
 def _line(text: str) -> str:
-    return text if len(text) <= MAX_LINE_CHARS else text[:MAX_LINE_CHARS] + " …"
+    return text if len(text) <= RECORD_LINE_CHARS else text[:RECORD_LINE_CHARS] + " …"
 
 
 def as_html(record: Record) -> str:
@@ -126,7 +126,7 @@ def as_text(record: Record) -> str:
 
 
 def _many_text(record: Record) -> str:
-    on = f" on {record.nodes} nodes" if record.nodes > 1 else ""
+    on = on_nodes(record.nodes)
     listed = ", ".join(str(r.rank) for r in record.rows)
     return f"ranks{on}: {record.counts}; listed here: {listed} (every rank's output is in its log)"
 

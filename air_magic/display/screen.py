@@ -34,7 +34,8 @@ class RankScreen:
     _splitters: dict[str, LineSplitter] = field(default_factory=dict)
 
     def write(self, stream: str, text: str) -> None:
-        splitter = self._splitters.setdefault(stream, LineSplitter())
+        # An unfinished line is kept up to the line cap too (longer, it is cut as a line is).
+        splitter = self._splitters.setdefault(stream, LineSplitter(max_partial=self.max_line_chars))
         lines = splitter.feed(text)
         if len(lines) > self.max_lines:  # a flood's chunk: only its end can stay on the screen
             self.dropped += len(lines) - self.max_lines

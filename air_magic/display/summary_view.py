@@ -11,13 +11,14 @@ view shows instead:
   the opened rank's; the tabs switch in the browser, so this works while the
   kernel runs the cell;
 - "open any rank": a filter (``737``, ``700-710``, ``node 3``, ``failed``) and the
-  matching ranks, the list refreshed with the grid; the one picked takes a tab.
+  matching ranks (their labels refreshed with the grid; which ranks, and in which
+  order, only when the filter or the order changes); the one picked takes a tab.
   The kernel answers it when it is free: at once for a background call and after
   the call, at the cell's end for a foreground one (a busy kernel reads no message
   from the page: docs/architecture.md, "The view of many ranks").
 
 What reaches the browser is bounded whatever the rank count: at most SLOTS tabs'
-outputs every ``FLUSH_S`` (each the last :data:`TAB_LINES` lines of a capped screen:
+outputs every ``FLUSH_S`` (each the :data:`TAB_LINES` lines a rank's screen keeps:
 ``rank_board.py``), and the grid and the list (tens of kilobytes at most for 1,000
 ranks) every SLOW_S.
 
@@ -33,11 +34,11 @@ import time
 from typing import Any
 
 from air_magic.display import many_ranks, widget_parts
-from air_magic.display.rank_board import RankBoard
+from air_magic.display.rank_board import MANY_RANKS_LINES, RankBoard, tab_title
 
 SLOTS = 8  # tabs of live output: rank 0, the ranks worth a look, the rank opened last
 SLOW_S = 1.0  # the counts, the grid, the list and which ranks the tabs hold change at most this often
-TAB_LINES = 20  # the end of a rank's output in its tab: fits without scrolling (its screen keeps more)
+TAB_LINES = MANY_RANKS_LINES  # the end of a rank's output in its tab: fits without scrolling
 
 _HELP = (
     '<div style="line-height:1.4"><small style="color:#666">open any rank: a rank (737), a range '
@@ -63,7 +64,7 @@ class SummaryView:
         self.grid = w.HTML(value=self._grid_html(), **widget_parts.html_kwargs())
         self.outputs = [w.Output(layout=widget_parts.shared("output")) for _ in self.slots]
         self.tab = w.Tab(children=self.outputs, layout=widget_parts.shared("layout"))
-        self.titles = [self._title(r) for r in self.slots]
+        self.titles = [tab_title(self.board, r) for r in self.slots]
         self.tab.titles = tuple(self.titles)
         self.filter = w.Text(
             placeholder="737, 700-710, node 3, failed",
@@ -127,7 +128,7 @@ class SummaryView:
                 if grid != self.grid.value:
                     self.grid.value = grid
                 self._retitle()
-                self._relist()
+                self._relabel()
             for slot, rank in enumerate(self.slots):
                 if rank in dirty or slot in moved:
                     self.outputs[slot].outputs = self.board.screens[rank].stream_outputs(TAB_LINES)
@@ -176,13 +177,10 @@ class SummaryView:
         return moved
 
     def _retitle(self) -> None:
-        titles = [self._title(r) for r in self.slots]
+        titles = [tab_title(self.board, r) for r in self.slots]
         if titles != self.titles:
             self.titles = titles
             self.tab.titles = tuple(titles)
-
-    def _title(self, rank: int) -> str:
-        return f"rank {rank} {many_ranks.GLYPHS[self.board.states[rank]]}"
 
     def _grid_html(self) -> str:
         board = self.board
@@ -201,16 +199,27 @@ class SummaryView:
         return many_ranks.labels(self.board, ranks, now)
 
     def _relist(self, _change: object = None) -> None:
+        """The filter or the order changed: the list's ranks again (an answer to the page)."""
         with self._lock:
-            options = self._options()
-            if options == list(self.pick.options):
-                return
-            self._listing = True
-            try:
-                self.pick.options = options
-                self.pick.value = None
-            finally:
-                self._listing = False
+            self._set_options(self._options())
+
+    def _relabel(self) -> None:
+        """The same ranks in the same order, their labels now. Which ranks the list holds changes
+        only on the page's say (the filter, the order): ipywidgets sends a click as the row's index,
+        which a busy kernel reads at the cell's end; rows that moved meanwhile would open another
+        rank than the one clicked."""
+        ranks = [rank for _, rank in self.pick.options]
+        self._set_options(many_ranks.labels(self.board, ranks, time.monotonic()))
+
+    def _set_options(self, options: list[tuple[str, int]]) -> None:
+        if options == list(self.pick.options):
+            return
+        self._listing = True
+        try:
+            self.pick.options = options
+            self.pick.value = None
+        finally:
+            self._listing = False
 
     def _picked(self, change: dict[str, Any]) -> None:
         with self._lock:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import html
 from typing import Any
 
-from air_magic.display import many_ranks, widget_parts
-from air_magic.display.rank_board import RankBoard
+from air_magic.display import widget_parts
+from air_magic.display.rank_board import COLORS, GLYPHS, RankBoard, tab_title
 
 _PAD = "padding:0 10px 0 0;line-height:1.3"
 _CELL = f'style="{_PAD}"'
@@ -30,7 +30,7 @@ class TabView:
         self.header = w.HTML(value=self._header_html(top_html), **widget_parts.html_kwargs())
         self.outputs = [w.Output(layout=widget_parts.shared("output")) for _ in range(n)]
         self.tab = w.Tab(children=self.outputs, layout=widget_parts.shared("layout"))
-        self.titles = [self._title(r) for r in range(n)]
+        self.titles = [tab_title(self.board, r) for r in range(n)]
         self.tab.titles = tuple(self.titles)
         self.box = w.VBox([self.header, self.tab], layout=widget_parts.shared("layout"))
         self.box.add_class("air-magic-run")
@@ -42,7 +42,7 @@ class TabView:
         self.log_dir = log_dir
         for rank in sorted(dirty):
             self.outputs[rank].outputs = self.board.screens[rank].stream_outputs()
-        titles = [self._title(r) for r in range(len(self.board))]
+        titles = [tab_title(self.board, r) for r in range(len(self.board))]
         if titles != self.titles:
             self.titles = titles
             self.tab.titles = tuple(titles)
@@ -53,16 +53,13 @@ class TabView:
     def select(self, rank: int) -> None:
         self.tab.selected_index = rank
 
-    def _title(self, rank: int) -> str:
-        return f"rank {rank} {many_ranks.GLYPHS[self.board.states[rank]]}"
-
     def _header_html(self, top_html: str) -> str:
         """The top line, then one short row per rank: state, time, how it ended, its log's name (the
         folder is said once, under the table)."""
         board = self.board
         rows = []
         for r, state in enumerate(board.states):
-            colour, glyph = many_ranks.COLORS[state], many_ranks.GLYPHS[state]
+            colour, glyph = COLORS[state], GLYPHS[state]
             dropped = board.screens[r].dropped
             shown = f" ({dropped} earlier lines only in the log)" if dropped else ""
             log = f"rank-{r}.log" if self.log_dir else ""

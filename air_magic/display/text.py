@@ -19,7 +19,10 @@ import sys
 from collections import Counter
 from typing import TextIO
 
-from air_magic.display.rank_board import MANY_RANKS  # past it, rank 0 and the root cause only (above)
+from air_magic.display.rank_board import (
+    MANY_RANKS,
+    on_nodes,
+)  # past it, rank 0 and the root cause only (above)
 from air_magic.protocol.events import (
     Event,
     RankExited,
@@ -93,7 +96,7 @@ class TextDisplay:
                 self._root_cause_tail(event.failed_rank)
                 counts = ", ".join(f"{n} {how}" for how, n in self._ended.most_common())
                 nodes = len(set(self._nodes))
-                on = f" on {nodes} nodes" if nodes > 1 else ""
+                on = on_nodes(nodes)
                 failed = ""
                 if nodes > 1 and self._failed_on:
                     by_node = sorted(self._failed_on.items(), key=lambda item: (-item[1], item[0]))

@@ -25,6 +25,11 @@ def metrics_path(metrics_dir: str, rank: int | str) -> str:
     return os.path.join(metrics_dir, f"rank-{rank}.tsv")
 
 
+def metric_line(key: str, value: float, timestamp_ms: int, step: int) -> str:
+    """One metric as a rank appends it to its metric file (the caller's writer reads it back)."""
+    return f"{key}\t{float(value)!r}\t{timestamp_ms}\t{step}\n"
+
+
 def result_path(call_dir: str, rank: int) -> str:
     return os.path.join(call_dir, f"result-{rank}.pkl")
 

@@ -83,7 +83,7 @@ def append(metrics: dict[str, float], step: int) -> bool:
         metrics_dir = os.environ[env_names.METRICS_DIR]
         _own_file = _MetricFile(wire.metrics_path(metrics_dir, os.environ.get("RANK", "0")))
     timestamp = int(time.time() * 1000)
-    lines = (f"{key}\t{float(value)!r}\t{timestamp}\t{step}\n" for key, value in metrics.items())
+    lines = (wire.metric_line(key, value, timestamp, step) for key, value in metrics.items())
     _own_file.append("".join(lines))
     return True
 
@@ -147,7 +147,7 @@ def patch_fluent(fluent: ModuleType) -> None:
         lines = []
         for key, value in metrics.items():
             _validate_metric(key, value, timestamp, step)  # the same error, at the user's line
-            lines.append(f"{key}\t{float(value)!r}\t{timestamp}\t{step}\n")
+            lines.append(wire.metric_line(key, value, timestamp, step))
         sink.append("".join(lines))
         asynchronous = synchronous is False or (synchronous is None and MLFLOW_ENABLE_ASYNC_LOGGING.get())
         return RunOperations([]) if asynchronous else None  # what MLflow returns, already complete

@@ -66,4 +66,4 @@ def test_a_node_lost_among_25_is_named_with_its_ranks(tmp_path):
     assert got["outcome"] == "failed" and got["root_cause"] in range(56, 64), got
     lost = "node 7 was lost during the call: its raylet died (synthetic), and rank(s) 56, 57, 58, 59, 60"
     assert got["error"].startswith(lost + ", 61, 62, 63 with it")
-    assert got["metric_rows_stored"] == got["metric_rows_written"]
+    assert got["metric_rows_written"] > 0 and got["metric_rows_stored"] == got["metric_rows_written"]

@@ -78,7 +78,11 @@ def test_a_failure_among_a_thousand_ranks_takes_a_tab_and_is_shown_first():
     assert "1000 ranks on 125 nodes: 1 failed, 999 killed" in view.grid.value
     assert len(view.grid.value.encode()) < 20_000  # a few kilobytes whatever the rank count
     assert view.titles[view.slots.index(737)] == "rank 737 ✗"
-    # The list puts the root cause first; the record beside the view lists a few ranks, not 1,000.
+    # The list keeps its ranks (a click read late must open the rank it showed), their labels follow;
+    # asked again (the page's filter or order), failures first. The record lists a few ranks, not 1,000.
+    assert view.pick.options[0] == ("rank 0 ■ killed · node 0 · 3 lines · stopped by air_magic", 0)
+    view.order.value = many_ranks.RANK_ORDER
+    view.order.value = many_ranks.PROBLEMS_FIRST
     assert view.pick.options[0] == ("rank 737 ✗ failed · node 92 · 5 lines · raised an exception", 737)
     bundle = display._bundle()
     assert "1 failed, 999 killed; listed here: 0, 737, 1, 2 (every" in bundle["text/plain"]
@@ -123,6 +127,7 @@ def test_a_rank_quiet_for_long_takes_a_tab_that_held_a_rank_doing_fine(monkeypat
             display._board.output(rank, "stdout", "still alive\n")
     view.refresh(set(), "", None, force=True)
     assert 512 in view.slots and view.slots[0] == 0
+    view.filter.value = "512"
     label = {r: text for text, r in view.pick.options}[512]
     assert "quiet 31 s" in label
 
@@ -142,7 +147,8 @@ def test_a_failure_takes_a_tab_from_a_quiet_rank_and_the_list_picks_its_first_en
     display.handle(RankExited(41, RankState.FAILED, 1, "raised an exception"))
     view.refresh(set(), "", None, force=True)
     assert 41 in view.slots and view.slots[0] == 0 and len(set(view.slots) - set(quiet_tabs)) == 1
-    assert view.pick.value is None and view.pick.options[0][1] == 41
+    view.filter.value = "failed"
+    assert view.pick.value is None and [r for _, r in view.pick.options] == [41]
     view.pick.value = 41  # a click on the first entry: a change, since nothing was chosen
     assert view.tab.selected_index == view.slots.index(41) and view.pick.value is None
 
@@ -161,6 +167,19 @@ def _shared_models():
     from air_magic.display import widget_parts
 
     return list(widget_parts._SHARED.values())
+
+
+def test_the_lists_ranks_stay_put_while_their_labels_follow_so_a_late_click_opens_what_it_showed():
+    display = _started(64)
+    view = display._view
+    assert isinstance(view, SummaryView)
+    shown = [r for _, r in view.pick.options]
+    index = shown.index(30)  # the row the user clicked, read by the kernel only at the cell's end
+    display.handle(RankExited(30, RankState.FAILED, 1, "raised an exception"))
+    view.refresh(set(), "", None, force=True)
+    assert [r for _, r in view.pick.options] == shown and "failed" in view.pick.options[index][0]
+    view.pick.index = index
+    assert view.slots[view.tab.selected_index] == 30
 
 
 def test_any_rank_opens_from_the_filter_in_the_last_tab():

@@ -107,17 +107,19 @@ def test_the_cluster_setting():
 
 
 class _SlowAgents:
-    """Ray's ``wait``/``get`` as seen by the pool while its node agents start: ``batches`` says how
-    many answer at each wait (0: none within the wait); the timeouts asked for are kept."""
+    """Ray's ``wait``/``get`` as seen by the pool while its node agents start: ``answers`` says
+    whether an agent answers at each wait (False: none within the wait); the timeouts are kept."""
 
-    def __init__(self, batches: list[int]):
-        self.batches = batches
+    def __init__(self, answers: list[bool]):
+        self.answers = answers
         self.timeouts: list[float] = []
 
     def wait(self, pending, num_returns, timeout):
+        assert num_returns == 1
         self.timeouts.append(timeout)
-        n = self.batches.pop(0) if self.batches else 0
-        return pending[:n], pending[n:]
+        if self.answers and self.answers.pop(0):
+            return pending[:1], pending[1:]
+        return [], pending
 
     def get(self, refs):
         return [{"ref": r} for r in refs]
@@ -132,12 +134,15 @@ def test_node_agents_are_waited_for_while_they_keep_starting_and_a_stall_is_name
     from air_magic.backends.ray import placement
     from air_magic.errors import LaunchError
 
-    slow = _SlowAgents([10, 30, 24])  # 64 agents: 10, then 30, then the last 24
+    slow = _SlowAgents([True] * 64)
     described = placement._agents_described(slow, [_Agent(i) for i in range(64)])
     assert [d["ref"] for d in described] == list(range(64))
     first = placement.AGENT_STALL_S + placement.AGENT_START_PER_NODE_S * 64  # all start at once
-    assert slow.timeouts == [first, placement.AGENT_STALL_S, placement.AGENT_STALL_S]
+    assert first - 1 < slow.timeouts[0] <= first and all(
+        t <= placement.AGENT_STALL_S for t in slow.timeouts[1:]
+    )
+    assert placement._first_agent_wait_s(1000) == placement.AGENT_STALL_S + placement.AGENT_FIRST_EXTRA_MAX_S
 
-    stalled = _SlowAgents([10, 0])
+    stalled = _SlowAgents([True] * 10 + [False])
     with pytest.raises(LaunchError, match=r"did not all start: 10 of 64 answered, and none in the last 60 s"):
         placement._agents_described(stalled, [_Agent(i) for i in range(64)])

@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,10 +30,12 @@ from air_magic.protocol import env_names
 PLACE_WAIT_S = 10.0
 # The node agents start as Ray starts a worker process on each node, all at once: on a big cluster
 # (or many simulated nodes on few cores, where they all finish together) that takes longer than any
-# fixed wait. So the first answer may take AGENT_STALL_S plus AGENT_START_PER_NODE_S a node, and
-# after it the wait goes on while agents keep answering, failing after AGENT_STALL_S without one.
+# fixed wait. So the first answer may take AGENT_STALL_S plus AGENT_START_PER_NODE_S a node (at most
+# AGENT_FIRST_EXTRA_MAX_S more), and after it the wait goes on while agents keep answering, failing
+# once AGENT_STALL_S pass without a new one.
 AGENT_STALL_S = 60.0
 AGENT_START_PER_NODE_S = 3.0
+AGENT_FIRST_EXTRA_MAX_S = 240.0
 AGENT_CONCURRENCY = 8  # poll, stop, start... of one call at once: never a queue behind a long poll
 
 
@@ -131,22 +134,29 @@ def place_wait_s() -> float:
 
 def _agents_described(ray: Any, agents: list[Any]) -> list[dict[str, Any]]:
     """Each agent's description, in order, once all have started: waited for while they keep
-    coming (AGENT_STALL_S without a new one fails the call, naming how many started)."""
+    coming (the first within :func:`_first_agent_wait_s`, each next within AGENT_STALL_S of the one
+    before; else the call fails, naming how many started)."""
     refs = [agent.describe.remote() for agent in agents]
     pending = list(refs)
-    wait = AGENT_STALL_S + AGENT_START_PER_NODE_S * len(refs)  # for the first answer
+    wait = _first_agent_wait_s(len(refs))
+    deadline = time.monotonic() + wait
     while pending:
-        ready, pending = ray.wait(pending, num_returns=len(pending), timeout=wait)
-        if not ready and pending:
-            started = len(refs) - len(pending)
-            raise LaunchError(
-                f"the air_magic agents of the Ray nodes did not all start: {started} of {len(refs)} "
-                f"answered, and none in the last {wait:g} s (Ray could not start a worker "
-                "process on the others' nodes: their logs under the Ray session's logs folder say why). "
-                "Nothing was launched."
-            )
-        wait = AGENT_STALL_S
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if ready:
+            wait = AGENT_STALL_S
+            deadline = time.monotonic() + wait
+            continue
+        started = len(refs) - len(pending)
+        raise LaunchError(
+            f"the air_magic agents of the Ray nodes did not all start: {started} of {len(refs)} "
+            f"answered, and none in the last {wait:g} s (Ray could not start a worker process on the "
+            "others' nodes: their logs under the Ray session's logs folder say why). Nothing was launched."
+        )
     return list(ray.get(refs))
+
+
+def _first_agent_wait_s(nodes: int) -> float:
+    return AGENT_STALL_S + min(AGENT_START_PER_NODE_S * nodes, AGENT_FIRST_EXTRA_MAX_S)
 
 
 class Pool:
