@@ -67,6 +67,10 @@ def _rank_facts():
 
     before = (runtime.get_rank(), runtime.get_world_size(), runtime.get_local_rank())
     init_process_group(timeout=30, tf32=True)
+    # A rank that returned right after gloo's connect could close its socket while its peer still
+    # finished its side of the handshake ("Connection closed by peer", seen once under load): real
+    # code runs collectives next; this one waits for the peer, as they do.
+    torch.distributed.barrier()
     return {
         "env": before,
         "dist": (runtime.get_rank(), runtime.get_world_size()),
