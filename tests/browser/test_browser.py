@@ -1,8 +1,8 @@
 """A real browser: JupyterLab on 127.0.0.1, headless Chromium (Debian's) driven by Playwright.
 
-Runs a ``%%distributed -n N`` cell (N = 2, and 8: the width of the seed's default
-node, here as CPU ranks) whose ranks print and draw a tqdm bar, and checks that
-each rank's tab shows its own lines and one redrawn bar line.
+Runs ``%%distributed`` cells of 2 ranks and of 20 (past 16: the view of many ranks)
+whose ranks print and draw a tqdm bar, and checks that each rank's tab shows its own
+lines and one redrawn bar line.
 Saves a screenshot (its path is printed; ``AIR_MAGIC_SCREENSHOT`` overrides it).
 Every wait is time-boxed; the page is driven with clicks and keys only.
 """
@@ -44,13 +44,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@pytest.fixture(params=[2], ids=["2-ranks"])
-def lab(request, tmp_path):
-    ranks = request.param
-    with _jupyterlab(tmp_path, ["%load_ext air_magic", CELL.replace("RANKS", str(ranks))]) as url:
-        yield url, ranks
 
 
 @contextlib.contextmanager
@@ -140,54 +133,15 @@ def _chromium(p):
     )
 
 
-def _run_both_cells(page, url) -> None:
-    """Open the notebook, wait for its kernel, run its two cells (clicks and keys only)."""
+def _run_both_cells(page, url, cells: int = 2) -> None:
+    """Open the notebook, wait for its kernel, run its cells (two unless said; clicks and keys only)."""
     page.set_default_timeout(60_000)
     page.goto(url)
     page.wait_for_selector("#jp-main-statusbar >> text=Idle", timeout=90_000)
     page.locator(".jp-Notebook .jp-Cell").first.click()
     page.keyboard.press("Escape")
-    page.keyboard.press("Shift+Enter")
-    page.keyboard.press("Shift+Enter")
-
-
-def test_live_tabs_in_jupyterlab(lab, tmp_path):
-    url, ranks = lab
-    shot = Path(os.environ.get("AIR_MAGIC_SCREENSHOT", tmp_path / "air_magic_tabs.png"))
-    shot = shot.with_name(f"{shot.stem}-{ranks}{shot.suffix}")
-    with playwright_api.sync_playwright() as p:
-        browser = _chromium(p)
-        try:
-            page = browser.new_page(viewport={"width": 1280, "height": 900})
-            _run_both_cells(page, url)  # %load_ext, then the %%distributed cell
-            run = page.locator(".air-magic-run")
-            run.wait_for(timeout=60_000)
-            tabs = run.locator(".lm-TabBar-tab")
-            for rank in range(ranks):
-                tabs.filter(has_text=f"rank {rank} ✓").wait_for(timeout=90_000)
-            page.wait_for_selector("#jp-main-statusbar >> text=Idle", timeout=30_000)
-            texts = {}
-            if os.environ.get("AIR_MAGIC_DEBUG_DOM"):
-                Path(os.environ["AIR_MAGIC_DEBUG_DOM"]).write_text(run.inner_html())
-            for rank in range(ranks):
-                tabs.filter(has_text=f"rank {rank} ✓").click()
-                panel = run.locator(".widget-tab-contents .widget-output").nth(rank)
-                panel.wait_for(state="visible", timeout=10_000)
-                texts[rank] = panel.inner_text()
-                if rank == ranks - 1:
-                    page.screenshot(path=str(shot), full_page=True)
-            tabs_titles_count = tabs.count()
-            print(f"\nscreenshot: {shot}")
-        finally:
-            browser.close()
-    assert tabs_titles_count == ranks
-    for rank in range(ranks):
-        text = texts[rank]
-        assert f"hello from rank {rank}" in text and f"rank {rank} done" in text
-        assert not any(f"hello from rank {other}\n" in text for other in range(ranks) if other != rank)
-        bars = [line for line in text.splitlines() if f"rank {rank} bar" in line]
-        assert len(bars) == 1, text  # redrawn in place, not one line per update
-        assert "30/30" in bars[0]
+    for _ in range(cells):
+        page.keyboard.press("Shift+Enter")
 
 
 MANY_CELL = """%%distributed -n 20
@@ -204,28 +158,39 @@ time.sleep(120)
 """
 
 
-def test_many_ranks_show_a_summary_the_root_cause_first_and_any_rank_on_demand(tmp_path):
-    """Past 16 ranks (issue 34): counts and a grid instead of a tab per rank, the failing rank's tab
-    chosen at the end, and any rank opened from the filter once the kernel is free (the cell ended).
-    20 real ranks here; docs/benchmarks.md "At scale" has the 64-rank screenshot."""
+def test_live_tabs_for_a_few_ranks_and_a_summary_for_many(tmp_path):
+    """One notebook, two cells (one JupyterLab and kernel for both: the suite's time).
+
+    2 ranks: a tab each, showing that rank's own lines and its tqdm bar as one redrawn line.
+    20 ranks (past 16, issue 34): counts and a grid instead of a tab per rank, the failing rank's
+    tab chosen at the end, and any rank opened from the filter once the kernel is free (the cell
+    ended). docs/architecture.md has the 64- and 1,000-rank screenshots."""
     shot = Path(os.environ.get("AIR_MAGIC_SCREENSHOT", tmp_path / "air_magic_tabs.png"))
-    shot = shot.with_name(f"{shot.stem}-many{shot.suffix}")
-    with (
-        _jupyterlab(tmp_path, ["%load_ext air_magic", MANY_CELL]) as url,
-        playwright_api.sync_playwright() as p,
-    ):
+    cells = ["%load_ext air_magic", CELL.replace("RANKS", "2"), MANY_CELL]
+    with _jupyterlab(tmp_path, cells) as url, playwright_api.sync_playwright() as p:
         browser = _chromium(p)
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 1000})
-            _run_both_cells(page, url)
+            _run_both_cells(page, url, cells=3)
+            few = page.locator(".air-magic-run:not(.air-magic-many-ranks)")
+            few.wait_for(timeout=60_000)
+            few_tabs = few.locator(".lm-TabBar-tab")
+            for rank in range(2):
+                few_tabs.filter(has_text=f"rank {rank} ✓").wait_for(timeout=90_000)
             run = page.locator(".air-magic-many-ranks")
             run.wait_for(timeout=60_000)
             run.locator("text=20 ranks: 1 failed, 19 killed").wait_for(timeout=120_000)
             page.wait_for_selector("#jp-main-statusbar >> text=Idle", timeout=30_000)
+            texts = {}
+            for rank in range(2):
+                few_tabs.filter(has_text=f"rank {rank} ✓").click()
+                panel = few.locator(".widget-tab-contents .widget-output").nth(rank)
+                panel.wait_for(state="visible", timeout=10_000)
+                texts[rank] = panel.inner_text()
+            few_titles = few_tabs.count()
             tabs = run.locator(".lm-TabBar-tab")
             titles = [tabs.nth(i).inner_text() for i in range(tabs.count())]
-            failed = run.locator(".widget-tab-contents .widget-output:visible")
-            failed_text = failed.inner_text()
+            failed_text = run.locator(".widget-tab-contents .widget-output:visible").inner_text()
             run.locator("input[placeholder*='737']").click()
             page.keyboard.type("7")
             option = run.locator("select option", has_text="rank 7 ")
@@ -238,6 +203,14 @@ def test_many_ranks_show_a_summary_the_root_cause_first_and_any_rank_on_demand(t
             print(f"\nscreenshot: {shot}")
         finally:
             browser.close()
+    assert few_titles == 2
+    for rank in range(2):
+        text = texts[rank]
+        assert f"hello from rank {rank}" in text and f"rank {rank} done" in text
+        assert f"hello from rank {1 - rank}" not in text
+        bars = [line for line in text.splitlines() if f"rank {rank} bar" in line]
+        assert len(bars) == 1, text  # redrawn in place, not one line per update
+        assert "30/30" in bars[0]
     assert (
         len(titles) == 8 and titles[0].startswith("rank 0") and any(t.startswith("rank 13 ✗") for t in titles)
     )
