@@ -15,11 +15,14 @@ JupyterLab on 127.0.0.1 and Debian's chromium, as the browser test drives them
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
@@ -45,6 +48,27 @@ print({{k: result[k] for k in ("outcome", "root_cause", "steady_caller_cores", "
 """
 
 
+@contextlib.contextmanager
+def _view(tb: Any, browser: Any, cell: str) -> Iterator[tuple[Any, Any]]:
+    """A notebook of ``%load_ext`` and ``cell`` in its own JupyterLab, both cells run; the page
+    and the view of many ranks once it is there."""
+    with tb._jupyterlab(Path(tempfile.mkdtemp(prefix="view-")), ["%load_ext air_magic", cell]) as url:
+        page = browser.new_page(viewport={"width": 1280, "height": 1000})
+        try:
+            tb._run_both_cells(page, url)
+            run = page.locator(".air-magic-many-ranks")
+            run.wait_for(timeout=120_000)
+            yield page, run
+        finally:
+            page.close()
+
+
+def _shoot(page: Any, run: Any, path: Path, settle_ms: int = 1500) -> None:
+    page.wait_for_timeout(settle_ms)
+    run.scroll_into_view_if_needed()
+    page.screenshot(path=str(path), full_page=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="docs")
@@ -57,34 +81,17 @@ def main() -> None:
         browser = tb._chromium(p)
         try:
             if args.only in (None, "real"):
-                tmp = Path(tempfile.mkdtemp(prefix="view-real-"))
-                with tb._jupyterlab(tmp, ["%load_ext air_magic", REAL]) as url:
-                    page = browser.new_page(viewport={"width": 1280, "height": 1000})
-                    tb._run_both_cells(page, url)
-                    run = page.locator(".air-magic-many-ranks")
-                    run.wait_for(timeout=120_000)
+                with _view(tb, browser, REAL) as (page, run):
                     run.locator("text=64 ranks: 1 failed, 63 killed").wait_for(timeout=300_000)
-                    page.wait_for_timeout(1500)
-                    run.scroll_into_view_if_needed()
-                    page.screenshot(path=str(out / "many-ranks-64.png"), full_page=True)
-                    page.close()
+                    _shoot(page, run, out / "many-ranks-64.png")
             if args.only in (None, "synthetic"):
-                tmp = Path(tempfile.mkdtemp(prefix="view-synthetic-"))
-                with tb._jupyterlab(tmp, ["%load_ext air_magic", SYNTHETIC]) as url:
-                    page = browser.new_page(viewport={"width": 1280, "height": 1000})
-                    tb._run_both_cells(page, url)
-                    run = page.locator(".air-magic-many-ranks")
-                    run.wait_for(timeout=120_000)
+                with _view(tb, browser, SYNTHETIC) as (page, run):
                     run.locator("text=1000 ranks on 125 nodes: 1000 running").wait_for(timeout=120_000)
                     time.sleep(8)
-                    run.scroll_into_view_if_needed()
-                    page.screenshot(path=str(out / "many-ranks-1000-live.png"), full_page=True)
+                    _shoot(page, run, out / "many-ranks-1000-live.png", settle_ms=0)
                     run.locator("text=1 failed, 999 killed").wait_for(timeout=120_000)
                     page.wait_for_selector("#jp-main-statusbar >> text=Idle", timeout=60_000)
-                    page.wait_for_timeout(1500)
-                    run.scroll_into_view_if_needed()
-                    page.screenshot(path=str(out / "many-ranks-1000-failed.png"), full_page=True)
-                    page.close()
+                    _shoot(page, run, out / "many-ranks-1000-failed.png")
         finally:
             browser.close()
     print(f"screenshots in {out}")

@@ -24,14 +24,6 @@ MOST_OUTPUT = "printed most"
 RANK_ORDER = "rank order"
 ORDERS = (PROBLEMS_FIRST, MOST_OUTPUT, RANK_ORDER)
 
-_STATE_RANK = {  # problems first: failures, then stopped ranks, then the running, then the rest
-    RankState.FAILED: 0,
-    RankState.KILLED: 1,
-    RankState.RUNNING: 2,
-    RankState.STARTING: 3,
-    RankState.SUCCEEDED: 4,
-}
-
 
 def ranked(board: RankBoard, order: str, root_cause: int | None, now: float) -> list[int]:
     """Every rank, in the order the list shows them."""
@@ -42,12 +34,10 @@ def ranked(board: RankBoard, order: str, root_cause: int | None, now: float) -> 
         return list(ranks)
 
     def problems(r: int) -> tuple[int, float, int]:
-        if r == root_cause:
-            return (-1, 0.0, r)
-        state = board.states[r]
-        if state in (RankState.FAILED, RankState.KILLED):
-            return (_STATE_RANK[state], board.ended_at[r] or 0.0, r)  # the first to end first
-        return (_STATE_RANK[state], -board.quiet_for(r, now), r)  # the quiet longest first
+        score = worth_a_look(board, r, now, root_cause)
+        if board.states[r] in (RankState.FAILED, RankState.KILLED):
+            return (score, board.ended_at[r] or 0.0, r)  # the first to end first
+        return (score, -board.quiet_for(r, now), r)  # the quiet longest first
 
     return sorted(ranks, key=problems)
 
@@ -55,8 +45,11 @@ def ranked(board: RankBoard, order: str, root_cause: int | None, now: float) -> 
 DOING_FINE = 5  # worth_a_look's score for a rank that is not
 
 
-def worth_a_look(board: RankBoard, rank: int, now: float) -> int:
-    """1 failed, 2 stopped, 3 running but silent for QUIET_S; DOING_FINE otherwise."""
+def worth_a_look(board: RankBoard, rank: int, now: float, root_cause: int | None = None) -> int:
+    """How much a rank is worth a look, lower first: 0 the root cause, 1 failed, 2 stopped, 3 running
+    but silent for QUIET_S; DOING_FINE otherwise. The one rule of the list's order and the tabs."""
+    if rank == root_cause:
+        return 0
     state = board.states[rank]
     if state is RankState.FAILED:
         return 1

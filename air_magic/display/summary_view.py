@@ -150,10 +150,7 @@ class SummaryView:
     # -- which ranks the tabs hold ------------------------------------------------------
 
     def _score(self, rank: int, now: float) -> int:
-        """How much a rank is worth a look: lower is more (the root cause 0 ... doing fine 5)."""
-        if rank == self.root_cause:
-            return 0
-        return many_ranks.worth_a_look(self.board, rank, now)
+        return many_ranks.worth_a_look(self.board, rank, now, self.root_cause)
 
     def _reassign(self, now: float) -> set[int]:
         """Each rank worth a look that no tab holds takes the tab of the rank least worth a look, if
