@@ -8,7 +8,10 @@ then one air_magic call of nodes x gpus ranks on it through the Ray backend; the
 (each returns its rank variables). Reported: the cluster's start, the call's time (the pool --
 placement group and one agent per node -- and the run), that every rank ran where the plan said
 (RANK, LOCAL_RANK, NODE_RANK), and what was left afterwards: rank processes, and placement groups
-once the pool is given back. The issue's target is 125 nodes x 8 (1,000 ranks) on a
+once the pool is given back. ``--lose-node``: then a second call whose ranks sleep, and once every
+rank is up, the Ray node of rank ``world * 5 // 9`` is removed (its raylet killed, as
+``tests/ray_cluster`` does with a few nodes): reported are the seconds from the removal to the
+call's end, the error's first line and what was left. The issue's target is 125 nodes x 8 (1,000 ranks) on a
 16-core machine; a 2-core machine of 23 GB holds fewer (each node is a raylet and an agent).
 """
 
@@ -30,11 +33,91 @@ def where() -> tuple[int, int, int, int]:
     return (int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["NODE_RANK"]), os.getpid())
 
 
+def sleeps(ready: str) -> None:
+    import os
+    import time
+
+    with open(os.path.join(ready, os.environ["RANK"]), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(600)
+
+
+def _raylet_of(pid: int) -> int | None:
+    """The pid of the raylet a rank runs under (rank <- node agent <- raylet)."""
+    import psutil
+
+    proc = psutil.Process(pid)
+    while proc is not None:
+        if proc.name() == "raylet":
+            return proc.pid
+        proc = proc.parent()
+    return None
+
+
+def lose_a_node(cluster, settings, backend, world: int) -> dict[str, object]:
+    """A call of sleeping ranks; remove the node of rank world*5//9 once all are up; time the end."""
+    import tempfile
+    import threading
+
+    import psutil
+
+    from air_magic.calls.call import run_call
+
+    ready = tempfile.mkdtemp(prefix="ray-scale-ready-")
+    box: dict[str, object] = {}
+
+    def call() -> None:
+        try:
+            box["result"] = run_call(
+                "sleeps", sleeps, inspect.signature(sleeps).bind(ready), settings, backend=backend
+            )
+        except BaseException as exc:  # noqa: BLE001 - reported
+            box["result"] = exc
+        box["ended"] = time.monotonic()
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 400
+    while len(os.listdir(ready)) < world and time.monotonic() < deadline and thread.is_alive():
+        time.sleep(0.2)
+    row: dict[str, object] = {"lose_ranks_up": len(os.listdir(ready))}
+    if row["lose_ranks_up"] != world:
+        row["lose_error"] = f"only {row['lose_ranks_up']} of {world} ranks came up: {box.get('result')!r}"[
+            :400
+        ]
+        return row
+    pids = {}
+    for name in os.listdir(ready):
+        with open(os.path.join(ready, name)) as f:
+            pids[int(name)] = int(f.read())
+    workers = {n.all_processes["raylet"][0].process.pid: n for n in cluster.worker_nodes}
+    # The first rank from world*5//9 on that runs on a worker node (the head node stays).
+    victim = next(r for r in [*range(world * 5 // 9, world), *range(world)] if _raylet_of(pids[r]) in workers)
+    node = workers[_raylet_of(pids[victim])]  # type: ignore[index]
+    removed = time.monotonic()
+    cluster.remove_node(node, allow_graceful=False)
+    thread.join(300)
+    row["lose_rank"] = victim
+    row["lose_to_end_s"] = round(float(box["ended"]) - removed, 2) if "ended" in box else None  # type: ignore[arg-type]
+    result = box.get("result")
+    error = (
+        getattr(result, "error", None)
+        if result is not None and not isinstance(result, BaseException)
+        else result
+    )
+    row["lose_error"] = str(error).splitlines()[0][:300] if error is not None else None
+    row["lose_error_rank"] = getattr(error, "rank", None)
+    time.sleep(1)
+    row["lose_rank_processes_left"] = sum(1 for p in pids.values() if psutil.pid_exists(p))
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, default=16)
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--warm", action="store_true", help="warm ranks (a warm starter per node)")
+    parser.add_argument("--lose-node", action="store_true", help="then a call that loses a node (above)")
     args = parser.parse_args()
     # Before Ray is imported (it reads them then): every listener and address on 127.0.0.1, as the
     # test suite's cluster (tests/conftest.py, NOTES.md).
@@ -81,6 +164,8 @@ def main() -> None:
         pids = [v[3] for v in values]
         time.sleep(1)
         row["rank_processes_left"] = sum(1 for p in pids if psutil.pid_exists(p))
+        if args.lose_node:
+            row.update(lose_a_node(cluster, settings, backend, world))
         placement.release_all(force=True)
         from ray.util.placement_group import placement_group_table
 

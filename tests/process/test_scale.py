@@ -67,3 +67,56 @@ def test_a_node_lost_among_25_is_named_with_its_ranks(tmp_path):
     lost = "node 7 was lost during the call: its raylet died (synthetic), and rank(s) 56, 57, 58, 59, 60"
     assert got["error"].startswith(lost + ", 61, 62, 63 with it")
     assert got["metric_rows_written"] > 0 and got["metric_rows_stored"] == got["metric_rows_written"]
+
+
+def _joins_gloo_prints_and_logs(steps: int, fail_rank: int):
+    import os
+
+    import mlflow
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = int(os.environ["RANK"])
+    value = torch.ones(1)
+    dist.all_reduce(value)
+    for i in range(steps):
+        print(f"rank {rank} step {i}")
+        mlflow.log_metric(f"loss_rank{rank}", 1.0 / (i + 1), step=i)  # a key each: none deduplicated
+    if rank == fail_rank:
+        raise ValueError(f"rank {rank} hit a bad batch")
+    dist.barrier()  # the others wait in a collective for the rank that raised
+    dist.destroy_process_group()
+    return int(value.item())
+
+
+# What 2 cores cannot hold (256 ranks import torch and join gloo): run on the device host, whose 16
+# cores are the machine, with AIR_MAGIC_FORCE_CPU=1 there (docs/gpu-validation.md).
+@pytest.mark.serial
+@pytest.mark.skipif((os.cpu_count() or 1) < 16, reason="256 real ranks need a 16-core host (the device)")
+@pytest.mark.timeout(900)
+def test_256_real_ranks_on_a_16_core_host_and_one_failing_among_them(monkeypatch):
+    from helpers.procs import leftover_processes
+    from helpers.ranks import mlflow_status, run_ranks
+    from mlflow.tracking import MlflowClient
+
+    import air_magic
+    from air_magic.paths import embedded_mlflow_uri
+
+    monkeypatch.setenv("AIR_MAGIC_FORCE_CPU", "1")
+    world, steps = 256, 20
+    assert run_ranks(_joins_gloo_prints_and_logs, steps, -1, n=world) == [world] * world
+    info = air_magic.last_run()
+    client = MlflowClient(embedded_mlflow_uri())
+    assert (
+        len(client.get_run(info.mlflow_run_id).data.metrics.keys() & {f"loss_rank{r}" for r in range(world)})
+        == world
+    )
+    assert len(client.get_metric_history(info.mlflow_run_id, "loss_rank255")) == steps
+    assert not leftover_processes()
+
+    with pytest.raises(ValueError, match="rank 200 hit a bad batch") as failed:
+        run_ranks(_joins_gloo_prints_and_logs, steps, 200, n=world)
+    assert failed.value.air_magic_rank == 200  # not a peer's connection error from the barrier
+    assert mlflow_status(air_magic.last_run()) == "FAILED"
+    assert not leftover_processes()
