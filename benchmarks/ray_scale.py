@@ -23,6 +23,7 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -54,7 +55,7 @@ def _raylet_of(pid: int) -> int | None:
     return None
 
 
-def lose_a_node(cluster, settings, backend, world: int) -> dict[str, object]:
+def lose_a_node(cluster: Any, settings: Any, backend: Any, world: int) -> dict[str, object]:
     """A call of sleeping ranks; remove the node of rank world*5//9 once all are up; time the end."""
     import tempfile
     import threading
@@ -93,7 +94,7 @@ def lose_a_node(cluster, settings, backend, world: int) -> dict[str, object]:
     workers = {n.all_processes["raylet"][0].process.pid: n for n in cluster.worker_nodes}
     # The first rank from world*5//9 on that runs on a worker node (the head node stays).
     victim = next(r for r in [*range(world * 5 // 9, world), *range(world)] if _raylet_of(pids[r]) in workers)
-    node = workers[_raylet_of(pids[victim])]  # type: ignore[index]
+    node = workers[_raylet_of(pids[victim])]
     removed = time.monotonic()
     cluster.remove_node(node, allow_graceful=False)
     thread.join(300)
