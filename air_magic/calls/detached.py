@@ -8,7 +8,7 @@ is checked like the log root)::
 
     request.pkl    kernel -> supervisor: the call (deleted once read: the arguments in clear)
     state.json     what the run is and how it stands (rewritten at each change)
-    events.jsonl   every event of the call (protocol/event_log.py): an attach replays it
+    events.jsonl   every event of the call, in parts (protocol/event_log.py): an attach replays the newest
     result.pkl     every rank's value, or the error
     supervisor.log the supervisor's own output
 
@@ -347,7 +347,11 @@ def _follow(folder: str, displays: list[Any], on_result: Any, more: Sequence[Any
         last_tick = 0.0
         finished: RunFinished | None = None
         gone = False  # the supervisor died: read what it wrote to the end, then stop
-        for event in event_log.follow(os.path.join(folder, EVENTS), stop):
+
+        def lines_of(part: int) -> event_log.Lines:
+            return event_log.file_lines(os.path.join(folder, event_log.part_name(part)), stop)
+
+        for event in event_log.follow(lines_of, event_log.replay_from(os.listdir(folder)), stop):
             now = time.monotonic()
             if event is None:
                 caught_up.set()

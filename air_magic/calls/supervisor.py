@@ -105,7 +105,7 @@ def _supervise(folder: str) -> int:
     consumers: list[Consumer] = [
         _RecordInState(folder, run_owner),
         detached.RunStateWriter(folder),
-        event_log.EventLogWriter(os.path.join(folder, detached.EVENTS)),
+        event_log.EventLogWriter(folder),
     ]
     try:
         result = prepared.run([], consumers)

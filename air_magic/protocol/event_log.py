@@ -1,11 +1,21 @@
-"""A call's events as JSON lines in a file: a detached run's supervisor writes it, an attach reads it.
+"""A call's events as JSON lines in files: a detached run's supervisor writes them, an attach reads them.
 
 The supervisor (``calls/supervisor.py``) adds :class:`EventLogWriter` to its
-call's consumers; whoever attaches (``calls/detached.py``) reads the file from
-its start with :func:`follow` and hands each event to its own displays: what
+call's consumers; whoever attaches (``calls/detached.py``, ``calls/ray_jobs.py``)
+reads them with :func:`follow` and hands each event to its own displays: what
 was printed so far, then the stream, through the same consumers a live call
 uses. Every event but ``Tick`` is kept, rank output as it came (carriage returns
 and unfinished lines included), so a replay draws exactly what a live view drew.
+
+The log is written in parts, so that a follower never replays an unbounded file
+(a follower of a Ray job reads them over HTTP): ``events.jsonl``, then
+``events.1.jsonl``, ``events.2.jsonl``... Once a part holds ``PART_BYTES``, the
+writer ends it with a ``NextPart`` line and starts the next with a snapshot of
+the ranks (the ``RunStarted`` event, every ``RankStarted`` and ``RankExited``
+so far) before the new events. A follower starts at a recent part: the
+snapshot gives it every rank's state, the part the latest output (the ranks'
+whole output is in their log files). A follower starts one part before the newest
+(which may have just begun): it replays at most two parts.
 """
 
 from __future__ import annotations
@@ -13,9 +23,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, TextIO
 
 from air_magic.protocol.events import (
@@ -33,6 +44,31 @@ _KINDS: dict[str, type[Any]] = {
     cls.__name__: cls for cls in (RunStarted, RankStarted, RankOutput, RankExited, RunFinished)
 }
 FLUSH_S = 0.2  # rank output reaches the file (and a follower) at most this late
+PART_BYTES = 8 * 2**20  # what a follower replays at most, beyond the ranks' snapshot
+FIRST_PART = "events.jsonl"
+_PART = re.compile(r"^events(?:\.(\d+))?\.jsonl$")
+_NEXT_PART = "NextPart"
+
+Lines = Iterator[str | None]  # a part's lines as written, None each time there is nothing new yet
+
+
+def part_name(part: int) -> str:
+    return FIRST_PART if part == 0 else f"events.{part}.jsonl"
+
+
+def part_number(name: str) -> int | None:
+    """The part a file name is (``events.jsonl``: 0), or None for another file."""
+    found = _PART.match(name)
+    if found is None:
+        return None
+    return int(found.group(1) or 0)
+
+
+def replay_from(names: Any) -> int:
+    """The part a new follower starts at, given the file ``names`` in the folder: the one before
+    the newest (the newest may have just begun), so at most two parts are replayed."""
+    parts = [p for p in (part_number(os.path.basename(n)) for n in names) if p is not None]
+    return max(max(parts, default=0) - 1, 0)
 
 
 def to_line(event: Event) -> str:
@@ -57,17 +93,52 @@ def from_line(line: str) -> Event | None:
         return None
 
 
-class EventLogWriter:
-    """A consumer that appends every event (but ``Tick``) to ``path``; flushed at least every FLUSH_S."""
+def _next_part_of(line: str) -> int | None:
+    if _NEXT_PART not in line[:32]:
+        return None
+    try:
+        fields = json.loads(line)
+        return int(fields["part"]) if fields.get("kind") == _NEXT_PART else None
+    except (ValueError, KeyError, TypeError):
+        return None
 
-    def __init__(self, path: str) -> None:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-        self._file: TextIO = os.fdopen(fd, "a", encoding="utf-8")
+
+def _snapshot_key(event: Event) -> Any:
+    if isinstance(event, RunStarted):
+        return "run"
+    if isinstance(event, (RankStarted, RankExited)):
+        return (type(event).__name__, event.rank)
+    return None
+
+
+class EventLogWriter:
+    """A consumer that appends every event (but ``Tick``) to the parts in ``folder``; flushed at
+    least every FLUSH_S."""
+
+    def __init__(self, folder: str, part_bytes: int = PART_BYTES) -> None:
+        self._folder = folder
+        self._part_bytes = part_bytes
+        self._part = 0
+        self._written = 0
+        self._file: TextIO = self._open(0)
         self._flushed = time.monotonic()
+        self._snapshot: dict[Any, Event] = {}  # RunStarted, RankStarted, RankExited so far: a part starts so
+
+    def _open(self, part: int) -> TextIO:
+        path = os.path.join(self._folder, part_name(part))
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        return os.fdopen(fd, "a", encoding="utf-8")
 
     def handle(self, event: Event) -> None:
         if not isinstance(event, Tick):
-            self._file.write(to_line(event))
+            key = _snapshot_key(event)
+            if key is not None:
+                self._snapshot[key] = event
+            line = to_line(event)
+            self._file.write(line)
+            self._written += len(line)
+            if self._written >= self._part_bytes and not isinstance(event, RunFinished):
+                self._next_part()
         now = time.monotonic()
         if not isinstance(event, RankOutput) or now - self._flushed >= FLUSH_S:
             self._file.flush()
@@ -75,27 +146,68 @@ class EventLogWriter:
         if isinstance(event, RunFinished):
             self._file.close()
 
+    def _next_part(self) -> None:
+        """Open the next part with the snapshot first, then end this one: a follower that moves on
+        finds the next part whole from its first line."""
+        self._part += 1
+        following = self._open(self._part)
+        snapshot = "".join(to_line(e) for e in self._snapshot.values())
+        following.write(snapshot)
+        following.flush()
+        self._file.write(json.dumps({"kind": _NEXT_PART, "part": self._part}) + "\n")
+        self._file.close()
+        self._file = following
+        self._written = len(snapshot)
 
-def follow(path: str, stop: threading.Event, poll_s: float = 0.1) -> Iterator[Event | None]:
-    """Every event in ``path`` from its start, then each new one as it is written, until the
-    ``RunFinished`` event or ``stop`` is set; ``None`` each ``poll_s`` without news (the
-    follower's moment to refresh and to check that the writer still lives). A line still
-    being written waits for its end."""
+
+def file_lines(path: str, stop: threading.Event, poll_s: float = 0.1) -> Lines:
+    """The lines of a file as they are written (``None`` each ``poll_s`` without news), until ``stop``."""
     with open(path, encoding="utf-8", errors="replace") as f:
-        partial = ""
         while not stop.is_set():
-            chunk = f.readline()
-            if not chunk:
+            line = f.readline()
+            if line:
+                yield line
+            else:
                 yield None
                 time.sleep(poll_s)
+
+
+def follow(
+    lines_of: Callable[[int], Lines], first_part: int, stop: threading.Event
+) -> Iterator[Event | None]:
+    """Every event from part ``first_part`` on (``lines_of(part)`` gives a part's lines as they are
+    written), then each new one, until the ``RunFinished`` event or ``stop`` is set; ``None`` for
+    each stretch without news (the follower's moment to refresh and to check that the writer
+    still lives). A line still being written waits for its end."""
+    part = first_part
+    seen: set[Any] = set()
+    while not stop.is_set():
+        partial = ""
+        moved = False
+        for chunk in lines_of(part):
+            if stop.is_set():
+                return
+            if chunk is None:
+                yield None
                 continue
             partial += chunk
             if not partial.endswith("\n"):
                 continue
-            event = from_line(partial)
-            partial = ""
+            line, partial = partial, ""
+            following = _next_part_of(line)
+            if following is not None:
+                part, moved = following, True
+                break
+            event = from_line(line)
             if event is None:
                 continue
+            key = _snapshot_key(event)
+            if key is not None:
+                if key in seen:  # a new part's snapshot, seen already in the one before
+                    continue
+                seen.add(key)
             yield event
             if isinstance(event, RunFinished):
                 return
+        if not moved:
+            return  # the lines ended (the writer is gone, or a stream closed): the follower decides

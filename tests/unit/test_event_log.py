@@ -1,0 +1,66 @@
+"""The event log of a detached run, in parts: a follower replays a bounded part, never a duplicate."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from air_magic.protocol import event_log
+from air_magic.protocol.events import (
+    Outcome,
+    RankExited,
+    RankOutput,
+    RankStarted,
+    RankState,
+    RunFinished,
+    RunStarted,
+)
+
+
+def _write(folder, part_bytes: int) -> list:
+    events = [
+        RunStarted("r1", 2, "local", "cpu", True, str(folder), "train"),
+        RankStarted(0, 100),
+        RankStarted(1, 101),
+        *(RankOutput(i % 2, "stdout", f"line {i}\n") for i in range(200)),
+        RankExited(1, RankState.SUCCEEDED, 0, ""),
+        *(RankOutput(0, "stdout", f"more {i}\n") for i in range(50)),
+        RankExited(0, RankState.SUCCEEDED, 0, ""),
+        RunFinished("r1", Outcome.SUCCEEDED, 1.0, str(folder)),
+    ]
+    writer = event_log.EventLogWriter(str(folder), part_bytes=part_bytes)
+    for event in events:
+        writer.handle(event)
+    return events
+
+
+def _follow(folder, first_part: int) -> list:
+    stop = threading.Event()
+
+    def lines_of(part: int) -> event_log.Lines:
+        return event_log.file_lines(os.path.join(folder, event_log.part_name(part)), stop, poll_s=0.01)
+
+    return [e for e in event_log.follow(lines_of, first_part, stop) if e is not None]
+
+
+def test_a_follower_from_the_first_part_sees_every_event_once(tmp_path):
+    events = _write(tmp_path, part_bytes=2000)
+    names = os.listdir(tmp_path)
+    assert len(names) > 3 and event_log.replay_from(names) == len(names) - 2
+    assert _follow(tmp_path, 0) == events
+
+
+def test_a_new_follower_gets_every_rank_state_and_the_latest_output(tmp_path):
+    events = _write(tmp_path, part_bytes=2000)
+    got = _follow(tmp_path, event_log.replay_from(os.listdir(tmp_path)))
+    assert got[:3] == events[:3]  # the run and both ranks, from the part's snapshot
+    assert RankExited(1, RankState.SUCCEEDED, 0, "") in got
+    outputs = [e for e in got if isinstance(e, RankOutput)]
+    assert 0 < len(outputs) < 250 and outputs[-1] == RankOutput(0, "stdout", "more 49\n")
+    assert got[-1] == events[-1]
+    assert all(os.path.getsize(tmp_path / n) < 2000 + 400 for n in os.listdir(tmp_path))  # bounded
+
+
+def test_one_part_when_the_log_is_small(tmp_path):
+    events = _write(tmp_path, part_bytes=event_log.PART_BYTES)
+    assert os.listdir(tmp_path) == ["events.jsonl"] and _follow(tmp_path, 0) == events
