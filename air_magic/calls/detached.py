@@ -33,7 +33,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import psutil
 
@@ -171,7 +171,7 @@ def start_detached(prepared: Any, on_result: Any = None, consumers: Sequence[Any
     # The supervisor's state.json now says which GPUs it holds, for every process: this one's claim goes.
     prepared.abandon()
     _reap_later(proc)
-    return _follow(folder, make_consumers(prepared.settings.display), on_result, consumers)
+    return follow_run(FolderRun(folder), make_consumers(prepared.settings.display), on_result, consumers)
 
 
 def _facts_for_elsewhere(facts: Any) -> Any:
@@ -244,7 +244,7 @@ def attach(
     # A cell's ranks return their cell's outcome; another kernel gets each rank's last value (the
     # names go back only to the kernel that ran the cell, when its handle's result() is called).
     on_result = _cell_values if state.get("kind") == "cell" else None
-    return _follow(info.folder, make_consumers(display), on_result, consumers)
+    return follow_run(FolderRun(info.folder), make_consumers(display), on_result, consumers)
 
 
 def _cell_values(result: RunResult) -> list[Any]:
@@ -320,21 +320,78 @@ def _supervisor_alive(folder: str, state: dict[str, Any] | None = None) -> bool:
         return False
 
 
-def _follow(folder: str, displays: list[Any], on_result: Any, more: Sequence[Any] = ()) -> RunHandle:
-    """A handle on the run in ``folder``, fed by a thread that replays and follows its events."""
-    _check_ours(folder)
-    state = _read_state(folder) or {}
+class RunPlace(Protocol):
+    """Where a detached run is kept, as a follower reads it: a folder on this machine
+    (:class:`FolderRun`), or a Ray job's folder on its cluster (``calls/ray_jobs.JobRun``). The
+    supervisor writes the same things to both: state, events in parts, the result."""
+
+    id: str
+
+    def state(self) -> dict[str, Any]: ...
+    def replay_from(self) -> int: ...  # the event log's part a new follower starts at
+    def lines_of(self, part: int, stop: threading.Event) -> event_log.Lines: ...
+    def alive(self) -> bool: ...  # its supervisor lives (or is still starting)
+    def result(self) -> bytes | None: ...  # once written (waits while the supervisor lives)
+    def lost(self) -> str: ...  # why there is no result
+    def cancel(self) -> None: ...
+    def stacks(self, pids: dict[int, int], log_dir: str | None) -> dict[int, str]: ...
+
+
+class FolderRun:
+    """A detached run of this machine: its folder under :func:`root`."""
+
+    def __init__(self, folder: str) -> None:
+        _check_ours(folder)
+        self.folder = folder
+        self.id = (_read_state(folder) or {}).get("id", os.path.basename(folder))
+
+    def state(self) -> dict[str, Any]:
+        return _read_state(self.folder) or {}
+
+    def replay_from(self) -> int:
+        return event_log.replay_from(os.listdir(self.folder))
+
+    def lines_of(self, part: int, stop: threading.Event) -> event_log.Lines:
+        return event_log.file_lines(os.path.join(self.folder, event_log.part_name(part)), stop)
+
+    def alive(self) -> bool:
+        return _supervisor_alive(self.folder)
+
+    def result(self) -> bytes | None:
+        path = os.path.join(self.folder, RESULT)
+        while not os.path.exists(path) and _supervisor_alive(self.folder):
+            time.sleep(0.05)
+        return wire.read_bytes(path)
+
+    def lost(self) -> str:
+        supervisor = _supervisor(self.folder)
+        return (
+            f"the supervisor of detached run {self.id} (pid {supervisor[0] if supervisor else '?'}) ended "
+            "without a result; its ranks ended with it (they die with their supervisor). Its log: "
+            f"{os.path.join(self.folder, SUPERVISOR_LOG)}"
+        )
+
+    def cancel(self) -> None:
+        _signal_supervisor(self.folder)
+
+    def stacks(self, pids: dict[int, int], log_dir: str | None) -> dict[int, str]:
+        return take_stacks(pids, log_dir) if log_dir else {}
+
+
+def follow_run(place: RunPlace, displays: list[Any], on_result: Any, more: Sequence[Any] = ()) -> RunHandle:
+    """A handle on the run at ``place``, fed by a thread that replays and follows its events."""
+    state = place.state()
     name, world = state.get("name", "?"), int(state.get("world_size", 1))
     pids: dict[int, int] = {}
     handle = RunHandle(
         name,
         world,
-        stop=lambda grace_s=None, signum=None: _signal_supervisor(folder),  # the supervisor's grace
-        stacks=lambda: take_stacks(dict(pids), handle.log_dir) if handle.log_dir else {},
+        stop=lambda grace_s=None, signum=None: place.cancel(),  # the supervisor's grace
+        stacks=lambda: place.stacks(dict(pids), handle.log_dir),
         on_result=on_result,
         stop_grace=float(state.get("stop_grace", 0.0)),
     )
-    handle.detached_id = state.get("id", os.path.basename(folder))
+    handle.detached_id = place.id
     handle.kind = state.get("kind", "function")
     show_displays(displays, world, name)
     consumers = [*displays, *more, handle]
@@ -347,11 +404,7 @@ def _follow(folder: str, displays: list[Any], on_result: Any, more: Sequence[Any
         last_tick = 0.0
         finished: RunFinished | None = None
         gone = False  # the supervisor died: read what it wrote to the end, then stop
-
-        def lines_of(part: int) -> event_log.Lines:
-            return event_log.file_lines(os.path.join(folder, event_log.part_name(part)), stop)
-
-        for event in event_log.follow(lines_of, event_log.replay_from(os.listdir(folder)), stop):
+        for event in event_log.follow(lambda part: place.lines_of(part, stop), place.replay_from(), stop):
             now = time.monotonic()
             if event is None:
                 caught_up.set()
@@ -363,7 +416,7 @@ def _follow(folder: str, displays: list[Any], on_result: Any, more: Sequence[Any
                 elif isinstance(event, RankExited):
                     pids.pop(event.rank, None)  # its pid may be reused: never signalled again
                 elif isinstance(event, RunStarted):
-                    _show_record(displays, _read_state(folder) or {})
+                    _show_record(displays, place.state())
                 _emit(consumers, event)
                 if isinstance(event, RunFinished):
                     finished = event
@@ -371,7 +424,7 @@ def _follow(folder: str, displays: list[Any], on_result: Any, more: Sequence[Any
             if now - last_tick >= TICK_S:
                 last_tick = now
                 _emit(consumers, Tick(elapsed=now - started))
-                if event is None and not _supervisor_alive(folder):
+                if event is None and not place.alive():
                     gone = True
         return finished
 
@@ -381,7 +434,7 @@ def _follow(folder: str, displays: list[Any], on_result: Any, more: Sequence[Any
             caught_up.set()
             if stop.is_set() and finished is None:  # unfollow(): the run goes on; this handle ends here
                 return
-            outcome = _outcome(folder, finished)
+            outcome = _outcome(place, finished)
         except Exception as exc:  # noqa: BLE001 - a follower never dies with its handle unfinished
             outcome = (None, LaunchError(f"following detached run {handle.detached_id} failed: {exc!r}"))
         caught_up.set()
@@ -439,27 +492,18 @@ def _emit(consumers: list[Any], event: Event) -> None:
             consumers.remove(consumer)
 
 
-def _outcome(folder: str, finished: RunFinished | None) -> tuple[RunResult | None, BaseException | None]:
+def _outcome(place: RunPlace, finished: RunFinished | None) -> tuple[RunResult | None, BaseException | None]:
     """The run's result, once the supervisor has written it (after the ranks, it ends the MLflow
     run, which may take a while); or, once it is gone without one, why there is none."""
-    path = os.path.join(folder, RESULT)
-    while not os.path.exists(path) and _supervisor_alive(folder):
-        time.sleep(0.05)
-    data = wire.read_bytes(path)
+    data = place.result()
     if data is None:
-        state = _read_state(folder) or {}
-        supervisor = _supervisor(folder)
-        return None, LaunchError(
-            f"the supervisor of detached run {state.get('id', folder)} "
-            f"(pid {supervisor[0] if supervisor else '?'}) ended without a result; its ranks ended "
-            f"with it (they die with their supervisor). Its log: {os.path.join(folder, SUPERVISOR_LOG)}"
-        )
+        return None, LaunchError(place.lost())
     try:
         result: RunResult = serialization.loads(data)
     except Exception as exc:  # noqa: BLE001 - the handle must end, and say why it has no result
-        state = _read_state(folder) or {}
+        state = place.state()
         return None, LaunchError(
-            f"detached run {state.get('id', folder)} ended ({state.get('status', '?')}), but its result "
+            f"detached run {place.id} ended ({state.get('status', '?')}), but its result "
             f"could not be read here: {type(exc).__name__}: {exc}. Its logs: {state.get('log_dir')}"
         )
     return result, None
