@@ -37,13 +37,14 @@ from types import FrameType
 from typing import Any
 
 from air_magic import torchrun_flags, verbs
-from air_magic.calls import detached, history
+from air_magic.calls import history, ray_jobs
 from air_magic.calls.call import prepare_call, run_call, start_async
 from air_magic.display.json_lines import JsonLines
 from air_magic.display.text import TextDisplay
 from air_magic.errors import (
     ConfigurationError,
     DistributedTimeoutError,
+    LaunchError,
     RankFailedError,
     RemoteTraceback,
     StopSignal,
@@ -320,11 +321,20 @@ def _log_parser(verb: str) -> argparse.ArgumentParser:
     return parser
 
 
+def _add_cluster(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--cluster",
+        metavar="ray[=ADDRESS]",
+        help="also the runs on this Ray cluster (its dashboard, http://HEAD:8265); default: $RAY_ADDRESS",
+    )
+
+
 def _runs(argv: list[str]) -> int:
     parser = _log_parser("runs")
     parser.add_argument("-n", type=int, default=20, help="how many (default: 20)")
+    _add_cluster(parser)
     args = parser.parse_args(argv)
-    for line in verbs.runs(args.log_dir, args.n):
+    for line in verbs.runs(args.log_dir, args.n, cluster=ray_jobs.cluster_address(args.cluster)):
         print(line)
     return 0
 
@@ -332,9 +342,10 @@ def _runs(argv: list[str]) -> int:
 def _logs(argv: list[str]) -> int:
     parser = _log_parser("logs")
     parser.add_argument("words", nargs="*", metavar="[RUN] [RANK]")
+    _add_cluster(parser)
     args = parser.parse_args(argv)
     run, rank = verbs.split_logs_args(args.words)
-    text = verbs.logs(run, rank, args.log_dir)
+    text = verbs.logs(run, rank, args.log_dir, cluster=ray_jobs.cluster_address(args.cluster))
     sys.stdout.write(text if text.endswith("\n") or not text else text + "\n")
     return 0
 
@@ -420,6 +431,9 @@ def _start_detached(
     except ConfigurationError as exc:
         print(f"air-magic run: {exc}", file=sys.stderr)
         return USAGE_ERROR
+    except LaunchError as exc:  # a Ray cluster that cannot be reached, say: nothing was started
+        print(f"air-magic run: {exc}", file=sys.stderr)
+        return 1
     run = handle.detached_id
     print(f"air-magic: detached run {run} started")
     print(
@@ -434,10 +448,13 @@ def _attach(argv: list[str]) -> int:
     )
     parser.add_argument("run", metavar="RUN", nargs="?", help="its id (or the start of it)")
     parser.add_argument("--json", action="store_true", help="one JSON object per event on stdout")
+    _add_cluster(parser)
     args = parser.parse_args(argv)
     json_out = JsonLines() if args.json else None
     displays = _displays(args, json_out)
-    handle = detached.attach(args.run, display="none", consumers=displays)
+    handle = verbs.attach(
+        args.run, ray_jobs.cluster_address(args.cluster), display="none", consumers=displays
+    )
     previous = _stop_on_signals([])
     try:
         error = handle.exception()
@@ -461,12 +478,13 @@ def _attach(argv: list[str]) -> int:
 def _cancel(argv: list[str]) -> int:
     parser = _verb_parser("cancel")
     parser.add_argument("run", metavar="RUN", help="its id (or the start of it)")
+    _add_cluster(parser)
     args = parser.parse_args(argv)
-    run = detached.find(args.run)
+    run = verbs.find(args.run, ray_jobs.cluster_address(args.cluster))
     if run.status == "lost":  # its supervisor died (and its ranks with it): nothing left to stop
         print(f"air-magic: run {run.id} was lost (its supervisor died, its ranks with it); nothing to cancel")
         return 0
-    handle = detached.attach(run, display="none")
+    handle = verbs.attach(run, None, display="none")
     if handle.done():
         print(f"air-magic: run {handle.detached_id} had already ended ({handle.status})")
         return 0

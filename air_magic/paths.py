@@ -27,6 +27,7 @@ DETACHED_REQUEST = "request.pkl"  # in it: the call, for its supervisor (deleted
 DETACHED_STATE = "state.json"  # what the run is and how it stands
 DETACHED_EVENTS = "events.jsonl"  # every event of the call (protocol/event_log.py)
 DETACHED_RESULT = "result.pkl"  # every rank's value, or the error
+DETACHED_RESULT_TEXT = "result.b64"  # the same in base64: a Ray job's, read over its dashboard's HTTP
 SUPERVISOR_LOG = "supervisor.log"  # the supervisor's own output
 DETACHED_LISTENING = "listening"  # an empty mark: the supervisor's stop signal handler is in place
 DETACHED_CANCEL = "cancel"  # an empty mark: cancel() was asked (before the handler was there, say)

@@ -110,8 +110,20 @@ def _folders_above(path: str) -> list[str]:
     return seen
 
 
+_shared_on_purpose: set[str] = set()
+
+
+def accept_shared_folder(folder: str) -> None:
+    """Take ``folder`` as safe above a root although others may write it: a Ray session's
+    ``logs`` folder (Ray makes it 0777), where a Ray job's files must be for its dashboard to serve
+    them; whoever can reach that dashboard reads them all anyway (docs/security.md)."""
+    _shared_on_purpose.add(os.path.realpath(folder))
+
+
 def _replaceable_by_others(folder: str) -> str | None:
     """Why another user could rename entries of ``folder``, or None. Sticky folders (/tmp) are fine."""
+    if os.path.realpath(folder) in _shared_on_purpose:
+        return None
     try:
         info = os.stat(folder)
     except OSError:

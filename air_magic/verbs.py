@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from air_magic import paths
-from air_magic.calls import detached, history
+from air_magic.calls import detached, history, ray_jobs
 from air_magic.errors import ConfigurationError
 
 
@@ -93,17 +93,24 @@ def names(surface: str) -> list[str]:
     return [v.name for v in VERBS if (v.magic if surface == "magic" else v.cli)]
 
 
-def runs(log_root: str | None = None, n: int = 20) -> list[str]:
+def runs(log_root: str | None = None, n: int = 20, cluster: str | None = None) -> list[str]:
     """The recent calls, newest first, a line each; and, when the folder is the default one, every
     detached run of this user on this machine not among them (not started yet, lost, or with a log
-    folder elsewhere)."""
+    folder elsewhere); with ``cluster`` (a Ray cluster's address), its detached runs too."""
     summaries = history.read_summaries(log_root or paths.default_log_root())
     listed = {s["run_id"] for s in summaries}
     supervised = {run.id: run for run in detached.runs()}
+    if cluster is not None:
+        supervised.update({run.id: run for run in ray_jobs.runs(cluster)})
     rows: list[tuple[str, str]] = []  # (run id, line): ids begin with the time, so they sort by age
     for run in supervised.values():  # a detached run whose ranks have not started has no log folder yet
         if log_root is None and run.id not in listed:
-            line = f"{run.id}  {run.status:<11} {run.world_size!s:>3} rank(s) {'':>9}  {run.name}  (detached)"
+            where = (
+                "(detached)"
+                if run.pid is not None or not run.folder.startswith("ray job")
+                else f"({run.folder})"
+            )
+            line = f"{run.id}  {run.status:<11} {run.world_size!s:>3} rank(s) {'':>9}  {run.name}  {where}"
             rows.append((run.id, line))
     for summary in summaries:
         if summary["run_id"] in supervised:  # its supervisor knows best: 'cancelled', 'lost' (it died)
@@ -119,6 +126,25 @@ def runs(log_root: str | None = None, n: int = 20) -> list[str]:
     return [line for _, line in sorted(rows, reverse=True)[:n]]
 
 
+def find(run: str | None, cluster: str | None) -> Any:
+    """The detached run ``run`` names: one of this machine (a ``DetachedRun``), else, with
+    ``cluster``, one on that Ray cluster (a ``ray_jobs.JobRun``). None: the newest running."""
+    try:
+        return detached.find(run)
+    except ConfigurationError:
+        if cluster is None:
+            raise
+    return ray_jobs.find(run, cluster)
+
+
+def attach(run: Any, cluster: str | None, display: str = "auto", consumers: Any = ()) -> Any:
+    """Follow the detached run ``run`` names (or is) here: its output so far, then live; its handle."""
+    found = run if isinstance(run, (detached.DetachedRun, ray_jobs.JobRun)) else find(run, cluster)
+    if isinstance(found, ray_jobs.JobRun):
+        return ray_jobs.attach(found, None, display, consumers)
+    return detached.attach(found, display, consumers)
+
+
 def split_logs_args(words: list[str]) -> tuple[str, int | None]:
     """``[RUN] [RANK]``: a bare number is a rank; RUN defaults to 'last'."""
     runs = [w for w in words if not w.isdigit()]
@@ -129,7 +155,12 @@ def split_logs_args(words: list[str]) -> tuple[str, int | None]:
 
 
 def logs(
-    run: str, rank: int | None, log_root: str | None = None, last: Any = None, tail: int | None = None
+    run: str,
+    rank: int | None,
+    log_root: str | None = None,
+    last: Any = None,
+    tail: int | None = None,
+    cluster: str | None = None,
 ) -> str:
     """What ``logs RUN [RANK]`` shows: the call's folder and its files, or the rank's log (its last
     ``tail`` lines; the whole of it when None). ``last``: this kernel's last call (history.RunInfo),
@@ -139,6 +170,8 @@ def logs(
     else:
         summaries = history.read_summaries(log_root or paths.default_log_root())
         found = summaries[:1] if run == "last" else [s for s in summaries if s["run_id"] == run]
+        if not found and cluster is not None and run != "last":
+            return ray_jobs.rank_log(run, rank, cluster)  # a run on the Ray cluster: its node's logs
         if not found:
             raise ConfigurationError(f"no call {run!r} (runs lists them)")
         log_dir, world = found[0]["log_dir"], found[0].get("world_size")

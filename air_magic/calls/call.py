@@ -46,9 +46,13 @@ if TYPE_CHECKING:
 def backend_for(settings: LaunchSettings) -> Backend:
     """The backend a call with these settings runs on."""
     if settings.cluster is not None and settings.cluster.startswith("ray"):
+        _, _, address = settings.cluster.partition("=")
+        if settings.detach:  # a Ray job: its supervisor places the ranks on the cluster
+            from air_magic.calls.ray_jobs import JobSubmitter
+
+            return JobSubmitter(address or None)
         from air_magic.backends.ray.backend import RayBackend  # imports nothing of Ray until it runs
 
-        _, _, address = settings.cluster.partition("=")
         return RayBackend(address or None, warm_start=settings.warm_start)
     # A detached run's ranks start fresh under its supervisor: no warm starter here for it.
     return LocalBackend(warm_start=settings.warm_start and not settings.detach)
@@ -95,15 +99,24 @@ def start_async(
 ) -> Any:
     """Start a prepared call and return its handle at once: in a thread of this process, or under
     a supervisor of its own (``detach=True``)."""
-    from air_magic.calls import background, detached
+    from air_magic.calls import background
 
     try:
         if prepared.settings.detach:
-            return detached.start_detached(prepared, on_result, consumers)
+            return _start_detached(prepared, on_result, consumers)
         return background.start_background(prepared, on_result=on_result, consumers=consumers)
     except BaseException:
         prepared.abandon()  # nothing was left running: its GPUs are free again (a no-op if given back)
         raise
+
+
+def _start_detached(prepared: PreparedCall, on_result: Any, consumers: Sequence[Consumer]) -> Any:
+    """A supervisor of its own: a process here, or a Ray job on the cluster (``cluster="ray"``)."""
+    from air_magic.calls import detached, ray_jobs
+
+    if isinstance(prepared.backend, ray_jobs.JobSubmitter):
+        return ray_jobs.submit(prepared, on_result, consumers)
+    return detached.start_detached(prepared, on_result, consumers)
 
 
 def _follow_detached(prepared: PreparedCall, consumers: Sequence[Consumer]) -> RunResult:
@@ -112,7 +125,7 @@ def _follow_detached(prepared: PreparedCall, consumers: Sequence[Consumer]) -> R
     process, and ``attach`` treats Ctrl-C the same way; the message says how to follow or cancel it."""
     from air_magic.calls import detached
 
-    handle = detached.start_detached(prepared, None, consumers)
+    handle = _start_detached(prepared, None, consumers)
     try:
         handle.exception()  # waits for the end
     except KeyboardInterrupt:
@@ -149,7 +162,7 @@ def prepare_call(
             "kernel or script started in it); ranks start in the caller's folder. Change to one that "
             "exists first (%cd ~ in a notebook, os.chdir(...)); nothing was launched."
         ) from None
-    if background and settings.cluster is not None:
+    if background and settings.cluster is not None and not settings.detach:
         raise ConfigurationError(
             f"{name}: background runs are on this machine only for now (cluster=None); on a Ray "
             "cluster call fn.distributed(...), or run it from a terminal with air-magic run"

@@ -84,6 +84,7 @@ class DetachedRequest:
     sys_path: list[str]
     argv: list[str]
     active: Any = None  # the caller's active MLflow run, under which the call's run nests
+    state: dict[str, Any] = dataclasses.field(default_factory=dict)  # a Ray job's first state.json
 
 
 @dataclass(frozen=True)
@@ -124,32 +125,10 @@ def start_detached(prepared: Any, on_result: Any = None, consumers: Sequence[Any
     os.mkdir(folder, 0o700)
     try:
         _prune()
-        request = DetachedRequest(
-            name=prepared.name,
-            kind=prepared.kind,
-            settings_raw=dict(prepared.settings.raw),
-            plan=prepared.plan,
-            payload=prepared.payload,
-            facts=_facts_for_elsewhere(prepared.facts),
-            sys_path=list(sys.path),
-            argv=list(sys.argv) or [""],
-            active=prepared.run_owner.remembered_active if prepared.run_owner is not None else None,
-        )
+        request = request_for(prepared)
         wire.write_atomically(os.path.join(folder, REQUEST), serialization.dumps(request))
         # Written once here, before the supervisor exists; from then on the supervisor alone writes it.
-        _write_state(
-            folder,
-            {
-                "id": run_id,
-                "name": prepared.name,
-                "status": "starting",
-                "started": time.time(),
-                "world_size": prepared.plan.world_size,
-                "kind": request.kind,
-                "gpus": [g.uuid for g in prepared.plan.gpus],
-                "stop_grace": stop_grace_s(prepared.settings.stop_grace),  # what cancel() waits out
-            },
-        )
+        write_state(folder, first_state(run_id, prepared))
         private_files.create_private_file(os.path.join(folder, EVENTS))  # a follower opens it at once
         log = private_files.open_private(
             os.path.join(folder, SUPERVISOR_LOG), os.O_WRONLY | os.O_APPEND | os.O_CREAT
@@ -157,7 +136,7 @@ def start_detached(prepared: Any, on_result: Any = None, consumers: Sequence[Any
         try:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "air_magic.calls.supervisor", folder],
-                env=_supervisor_env(),
+                env=supervisor_env(),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=log,
@@ -174,6 +153,35 @@ def start_detached(prepared: Any, on_result: Any = None, consumers: Sequence[Any
     return follow_run(FolderRun(folder), make_consumers(prepared.settings.display), on_result, consumers)
 
 
+def request_for(prepared: Any) -> DetachedRequest:
+    """What a supervisor (here, or a Ray job's) needs of ``prepared`` to run it."""
+    return DetachedRequest(
+        name=prepared.name,
+        kind=prepared.kind,
+        settings_raw=dict(prepared.settings.raw),
+        plan=prepared.plan,
+        payload=prepared.payload,
+        facts=_facts_for_elsewhere(prepared.facts),
+        sys_path=list(sys.path),
+        argv=list(sys.argv) or [""],
+        active=prepared.run_owner.remembered_active if prepared.run_owner is not None else None,
+    )
+
+
+def first_state(run_id: str, prepared: Any) -> dict[str, Any]:
+    """A run's state.json before its supervisor runs."""
+    return {
+        "id": run_id,
+        "name": prepared.name,
+        "status": "starting",
+        "started": time.time(),
+        "world_size": prepared.plan.world_size,
+        "kind": prepared.kind,
+        "gpus": [g.uuid for g in prepared.plan.gpus],
+        "stop_grace": stop_grace_s(prepared.settings.stop_grace),  # what cancel() waits out
+    }
+
+
 def _facts_for_elsewhere(facts: Any) -> Any:
     """The call's facts with its experiment named: the supervisor is not the notebook or script
     whose name the default experiment takes (MLflow's own variables travel in the environment)."""
@@ -188,7 +196,7 @@ def _facts_for_elsewhere(facts: Any) -> Any:
     return dataclasses.replace(facts, experiment=store.default_experiment_name())
 
 
-def _supervisor_env() -> dict[str, str]:
+def supervisor_env() -> dict[str, str]:
     """This process's environment, with the MLflow store and experiment it would use said
     explicitly (mlflow.set_tracking_uri() and set_experiment() live in this process only), and
     whether a kernel's call would start the store's MLflow UI (tracking/ui.py)."""
@@ -243,11 +251,11 @@ def attach(
     state = _read_state(info.folder) or {}
     # A cell's ranks return their cell's outcome; another kernel gets each rank's last value (the
     # names go back only to the kernel that ran the cell, when its handle's result() is called).
-    on_result = _cell_values if state.get("kind") == "cell" else None
+    on_result = cell_values if state.get("kind") == "cell" else None
     return follow_run(FolderRun(info.folder), make_consumers(display), on_result, consumers)
 
 
-def _cell_values(result: RunResult) -> list[Any]:
+def cell_values(result: RunResult) -> list[Any]:
     return [serialization.loads(o.value) if o.value is not None else None for o in result.unwrap()]
 
 
@@ -544,7 +552,7 @@ def _read_state(folder: str) -> dict[str, Any] | None:
         return None
 
 
-def _write_state(folder: str, state: dict[str, Any]) -> None:
+def write_state(folder: str, state: dict[str, Any]) -> None:
     wire.write_atomically(os.path.join(folder, STATE), json.dumps(state).encode())
 
 
@@ -552,7 +560,7 @@ def update_state(folder: str, **changes: Any) -> None:
     """Change some fields of the run's state.json (the supervisor, its only writer once it runs)."""
     state = _read_state(folder) or {}
     state.update(changes)
-    _write_state(folder, state)
+    write_state(folder, state)
 
 
 def live_gpu_uuids() -> dict[str, str]:

@@ -1,7 +1,13 @@
 """A detached run's supervisor: one small process that runs one call for a kernel that may go away.
 
 ``python -m air_magic.calls.supervisor FOLDER``, started by ``calls/detached.py``
-in a session of its own. It reads the call from ``FOLDER/request.pkl`` (and
+in a session of its own; or ``python -m air_magic.calls.supervisor --ray-job RUN``,
+a Ray job's entrypoint on its cluster (``calls/ray_jobs.py`` submits it): then
+the ranks run through the Ray backend, the request comes with the job, and the
+folder is in the Ray session's logs on the job's node, where followers on any
+machine read it through the dashboard (Ray's job stop is the SIGTERM below).
+
+It reads the call from ``FOLDER/request.pkl`` (and
 deletes it: the arguments in clear) and runs it as a kernel would, through the
 same ``PreparedCall.run``: fresh ranks (a warm starter belongs to its kernel),
 the call's log folder, its MLflow run with the batched metric writer, every
@@ -15,10 +21,13 @@ its MLflow run KILLED.
 
 from __future__ import annotations
 
+import base64
+import dataclasses
 import os
 import signal
 import sys
 import threading
+import time
 from typing import Any
 
 from air_magic import paths  # the standard library only: cheap before the handlers
@@ -43,58 +52,106 @@ if __name__ == "__main__":  # before the imports below: they take the time a can
     # and its ranks inherit what it has (an ignored SIGHUP would differ from a foreground call's).
     # From now on a SIGTERM is a cancel; before, cancel() only leaves its mark (detached.py).
     # Its pid and start time, written by itself (no other process writes them, so none can race it).
-    import psutil
+    # A Ray job has none: Ray reports whether its entrypoint lives.
+    if sys.argv[1] != "--ray-job":
+        import psutil
 
-    me = f"{os.getpid()} {psutil.Process().create_time()}"
-    mark = os.path.join(sys.argv[1], paths.DETACHED_LISTENING)
-    fd = os.open(mark + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    os.write(fd, me.encode())
-    os.close(fd)
-    os.replace(mark + ".tmp", mark)
+        me = f"{os.getpid()} {psutil.Process().create_time()}"
+        mark = os.path.join(sys.argv[1], paths.DETACHED_LISTENING)
+        fd = os.open(mark + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        os.write(fd, me.encode())
+        os.close(fd)
+        os.replace(mark + ".tmp", mark)
 
+from air_magic.backends.base import Backend  # noqa: E402
 from air_magic.backends.local.backend import LocalBackend  # noqa: E402
 from air_magic.calls import detached  # noqa: E402
 from air_magic.calls.call import PreparedCall  # noqa: E402
 from air_magic.launch.request import RunResult  # noqa: E402
-from air_magic.launch.settings import make_settings  # noqa: E402
+from air_magic.launch.settings import LaunchSettings, make_settings  # noqa: E402
 from air_magic.protocol import event_log, serialization, wire  # noqa: E402
 from air_magic.protocol.events import Consumer, RunStarted  # noqa: E402
 from air_magic.tracking import run as tracking  # noqa: E402
 
+# The supervisor's exit status says how the call ended: a Ray job's status follows it (FAILED
+# unless it succeeded) and its followers read the outcome from it (calls/ray_jobs.py).
+EXIT_STATUS = {Outcome.SUCCEEDED: 0, Outcome.FAILED: 3, Outcome.TIMEOUT: 4, Outcome.INTERRUPTED: 5}
+EXIT_BEFORE_THE_CALL = 1
 
-def main(folder: str) -> int:
-    """Run the call in ``folder``; whatever goes wrong, leave a result that says so."""
+
+def main(argv: list[str]) -> int:
+    """Run the call in folder ``argv[0]`` (or Ray job ``argv[1]``); whatever goes wrong, leave a
+    result that says so."""
+    if argv[0] == "--ray-job":
+        return _main_job(argv[1])
+    folder = argv[0]
     try:
-        return _supervise(folder)
+        return _supervise(folder, _take_request(folder), LocalBackend(warm_start=False))
     except BaseException as exc:  # noqa: BLE001 - before the call ran: the attached handles learn why
-        detached.update_state(folder, status=Outcome.FAILED, error=f"{type(exc).__name__}: {exc}")
-        _write_result(folder, RunResult("", "", Outcome.FAILED, error=exc))
-        return 1
+        return _failed_before_the_call(folder, exc)
 
 
-def _supervise(folder: str) -> int:
+def _main_job(run_id: str) -> int:
+    from air_magic.backends.ray.backend import RayBackend
+    from air_magic.calls import ray_jobs
+
+    folder, log_root = ray_jobs.job_folders(run_id)  # connects to the job's cluster
+    # ray.init() put Ray's own SIGTERM handler in place (it logs and exits): Ray's stop_job is a
+    # cancel here, as a local supervisor's SIGTERM is.
+    signal.signal(signal.SIGTERM, _on_stop_signal)
+    signal.signal(signal.SIGINT, _on_stop_signal)
+    try:
+        request = ray_jobs.take_request(run_id)
+        detached.write_state(folder, {**request.state, "started": time.time()})
+        # The cluster it runs on (RAY_ADDRESS, set by Ray); rank logs where the dashboard serves them.
+        settings = make_settings(request.settings_raw, cluster="ray", detach=False, log_dir=log_root)
+        return _supervise(folder, request, RayBackend(warm_start=settings.warm_start), settings)
+    except BaseException as exc:  # noqa: BLE001 - before the call ran: the followers learn why
+        return _failed_before_the_call(folder, exc, text=True)
+
+
+def _failed_before_the_call(folder: str, exc: BaseException, text: bool = False) -> int:
+    detached.update_state(folder, status=Outcome.FAILED, error=f"{type(exc).__name__}: {exc}")
+    _write_result(folder, RunResult("", "", Outcome.FAILED, error=exc), text)
+    return EXIT_BEFORE_THE_CALL
+
+
+def _take_request(folder: str) -> detached.DetachedRequest:
     request_path = os.path.join(folder, detached.REQUEST)
     data = wire.read_bytes(request_path)
     os.unlink(request_path)
     assert data is not None, f"no request in {folder}"
     request: detached.DetachedRequest = serialization.loads(data)
     sys.path[:] = request.sys_path  # the caller's: its results may need its modules to load
+    return request
+
+
+def _supervise(
+    folder: str, request: detached.DetachedRequest, backend: Backend, settings: LaunchSettings | None = None
+) -> int:
+    """Run the call; ``settings`` given: a Ray job's, placed here (the submitter placed nothing)."""
     sys.argv[:] = request.argv
-    settings = make_settings(request.settings_raw)
-    backend = LocalBackend(warm_start=False)
-    backend.prepare(settings)
+    replan = settings is not None
+    settings = settings if settings is not None else make_settings(request.settings_raw)
+    plan = backend.prepare(settings)
     _stop_now.append(backend.stop)
     if _stop_asked.is_set() or os.path.exists(os.path.join(folder, paths.DETACHED_CANCEL)):
         backend.stop()  # cancelled while this process started: the call ends at once
+    facts = request.facts
+    if replan:
+        detached.update_state(folder, world_size=plan.world_size)
+        facts = dataclasses.replace(facts, plan=plan) if facts is not None else None
+    else:
+        plan = request.plan  # the GPUs the caller claimed for it (state.json names them)
 
-    run_owner = tracking.TrackedRunOwner(request.facts, log_root=settings.log_dir) if request.facts else None
+    run_owner = tracking.TrackedRunOwner(facts, log_root=settings.log_dir) if facts else None
     if run_owner is not None:
         run_owner.remember_active(request.active)  # the caller's active run: the call's run nests in it
     prepared = PreparedCall(
         request.name,
         settings,
         backend,
-        request.plan,
+        plan,
         request.payload,
         run_owner,
         None,
@@ -112,8 +169,8 @@ def _supervise(folder: str) -> int:
     except BaseException as exc:  # noqa: BLE001 - handed to whoever attaches
         result = RunResult("", "", Outcome.FAILED, error=exc)
         detached.update_state(folder, status=Outcome.FAILED, error=f"{type(exc).__name__}: {exc}")
-    _write_result(folder, result)
-    return 0
+    _write_result(folder, result, text=replan)
+    return EXIT_STATUS.get(result.outcome, EXIT_STATUS[Outcome.FAILED])
 
 
 def _kept_as_text(result: RunResult, exc: Exception) -> RunResult:
@@ -156,15 +213,19 @@ class _RecordInState:
                 )
 
 
-def _write_result(folder: str, result: RunResult) -> None:
+def _write_result(folder: str, result: RunResult, text: bool = False) -> None:
+    """``result.pkl``; ``text``: ``result.b64`` (base64), for followers that read it over HTTP."""
     try:
         data = serialization.dumps(result)
         if result.error is not None:  # what a follower will do: an error that pickles may not load
             serialization.loads(serialization.dumps(result.error))
     except Exception as exc:  # noqa: BLE001 - a value that cannot be pickled again: say so
         data = serialization.dumps(_kept_as_text(result, exc))
-    wire.write_atomically(os.path.join(folder, detached.RESULT), data)
+    if text:
+        wire.write_atomically(os.path.join(folder, paths.DETACHED_RESULT_TEXT), base64.b64encode(data))
+    else:
+        wire.write_atomically(os.path.join(folder, detached.RESULT), data)
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main(sys.argv[1:]))

@@ -337,7 +337,8 @@ class LaunchSettings:
     detach: bool = _setting(
         False,
         help="run the ranks under a small supervisor process that outlives this kernel "
-        "(or terminal): air_magic.attach() re-opens the run from any kernel",
+        "(or terminal): air_magic.attach() re-opens the run from any kernel. With cluster='ray' "
+        "the supervisor is a Ray job on the cluster, followed from any machine (docs/ray.md)",
         check=functools.partial(_check_bool, "detach"),
         switch=True,
     )
@@ -399,11 +400,6 @@ def make_settings(base: Mapping[str, Any] | None = None, **given: Any) -> Launch
             f"unknown setting(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(SETTINGS))}"
         )
     checked = {name: s.check(raw.get(name, DEFAULTS[name])) for name, s in SETTINGS.items()}
-    if checked["detach"] and checked["cluster"] is not None:
-        raise ConfigurationError(
-            "detach=True runs on this machine only (its supervisor is a local process); "
-            "leave out either detach or cluster"
-        )
     return LaunchSettings(**checked, raw=raw)
 
 

@@ -82,6 +82,8 @@ _RAY_MARKS = (
     "ray/dashboard",
     "ray/autoscaler",
     "default_worker.py",
+    "bin/ray start",  # a test's Ray head (tests/ray_cluster/test_ray_jobs.py), stopped by its module
+    "ray.util.client.server",  # the Ray Client server of such a head
 )
 
 
@@ -91,6 +93,9 @@ def rays_own(proc: psutil.Process) -> bool:
         line = " ".join(proc.cmdline())
         if proc.name().startswith("ray::") or any(mark in line for mark in _RAY_MARKS):
             return True
+        if "multiprocessing.resource_tracker" in line:  # of Ray's dashboard, say
+            parent = proc.parent()
+            return parent is not None and rays_own(parent)
         if "starter_main" in line:  # a node agent's warm starter; a rank forked from it is not Ray's
             parent = proc.parent()
             return (

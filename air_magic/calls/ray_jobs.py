@@ -1,0 +1,437 @@
+"""Detached runs on a Ray cluster: each a Ray job, submitted and followed from any machine.
+
+``detach=True`` with ``cluster="ray"`` (``air-magic run --cluster ray=ADDRESS --detach``)
+comes here from ``calls/call.py`` instead of ``calls/detached.py``'s local
+supervisor. :func:`submit` hands the prepared call to Ray's Jobs API and returns
+once the job is accepted; the submitting process may then exit::
+
+    submitter                               the cluster (Ray job <run id>)
+    request.pkl in a py_modules folder ---> python3 -m air_magic.calls.supervisor --ray-job RUN
+    (working_dir: this folder, for a           ray.init() to the cluster, the call on the Ray backend
+    script or module)                          <session>/logs/air_magic/jobs/RUN/: state.json,
+                                               events*.jsonl, result.b64; rank logs in
+                                               <session>/logs/air_magic/RUN/
+
+Whoever follows -- this process, or ``air-magic attach RUN`` on another machine
+with ``RAY_ADDRESS`` (or ``--cluster ray=ADDRESS``) and no local state -- reads
+those files through the dashboard (``backends/ray/jobs_api.py``): a
+:class:`JobRun` is the same ``RunPlace`` a local folder is, so attach, runs,
+logs and cancel behave as they do for a local detached run. Cancel is Ray's
+``stop_job``: SIGTERM to the supervisor, which stops the ranks as an interrupt
+would. Who can see and cancel a run: anyone who can reach the cluster's Jobs
+API (docs/ray.md says how to limit that).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import importlib.util
+import logging
+import os
+import shlex
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from air_magic import paths, private_files
+from air_magic.backends.ray import jobs_api
+from air_magic.calls import detached
+from air_magic.calls.background import RunHandle
+from air_magic.display.widgets import make_consumers
+from air_magic.errors import ConfigurationError, LaunchError
+from air_magic.launch.accelerators import AcceleratorPlan
+from air_magic.launch.request import new_run_id
+from air_magic.launch.settings import LaunchSettings
+from air_magic.protocol import event_log, serialization
+
+MARK = "air_magic"  # the jobs' metadata key that tells air_magic's runs from other Ray jobs
+JOBS_FOLDER = "jobs"  # <session>/logs/air_magic/jobs/<run>/: a run's state, events and result
+ENTRYPOINT_PYTHON = "python3"  # on the cluster: where Ray and air_magic are installed
+STOP_MARGIN_S = 30  # beyond the ranks' stop grace, before Ray kills a cancelled job's supervisor
+POLL_S = 0.5  # how often a follower asks the Jobs API whether the job still runs
+# What Ray's status and the supervisor's exit status (calls/supervisor.EXIT_STATUS) say of a run.
+_ENDED = {0: "succeeded", 3: "failed", 4: "timeout", 5: "cancelled"}
+_LIVE_JOB = ("PENDING", "RUNNING")
+
+
+# -- the submitting side -------------------------------------------------------------------
+
+
+class JobSubmitter:
+    """The backend ``prepare_call`` sees for a detached Ray run: it checks the cluster's Jobs API
+    answers and places nothing (the job's supervisor places the ranks on the cluster)."""
+
+    name = "ray-job"
+
+    def __init__(self, address: str | None) -> None:
+        self.address = address
+        self.client: Any = None
+
+    def prepare(self, settings: LaunchSettings) -> AcceleratorPlan:
+        self.client = jobs_api.client_for(self.address)
+        count = settings.num_accelerators if isinstance(settings.num_accelerators, int) else 0
+        return AcceleratorPlan(world_size=count, gpus=(), detected="a Ray cluster (placed by the job)")
+
+    def run(self, request: Any, bus: Any) -> Any:
+        raise LaunchError("a detached Ray run is submitted as a job (calls/ray_jobs.submit), not run here")
+
+    def stop(self, grace_s: float | None = None, signum: int | None = None) -> None:
+        pass
+
+    def stacks(self) -> dict[int, str]:
+        return {}
+
+
+def submit(prepared: Any, on_result: Any = None, consumers: Sequence[Any] = ()) -> RunHandle:
+    """Submit ``prepared`` as a Ray job; follow it here. Returns once the job is accepted."""
+    submitter = prepared.backend
+    assert isinstance(submitter, JobSubmitter) and submitter.client is not None, "prepare_call first"
+    client = submitter.client
+    run_id = new_run_id()
+    request = detached.request_for(prepared)
+    state = detached.first_state(run_id, prepared)
+    request = _with(request, state=state, sys_path=[])
+    # Ray's stop_job: SIGTERM to the supervisor, then SIGKILL after this many seconds (an integer):
+    # the ranks' stop grace and the supervisor's own end (the MLflow run, the result) fit in it.
+    grace = {"RAY_JOB_STOP_WAIT_TIME_S": str(int(state["stop_grace"]) + STOP_MARGIN_S)}
+    runtime_env: dict[str, Any] = {"env_vars": {**_job_env(), **grace}}
+    if prepared.kind in ("script", "module", "program"):
+        runtime_env["working_dir"] = os.getcwd()  # the code beside it travels (Ray's rules: .gitignore...)
+    try:
+        with tempfile.TemporaryDirectory(prefix="air_magic-job-") as scratch, _quiet_uploads():
+            carried = os.path.join(scratch, request_module(run_id))
+            os.mkdir(carried, 0o700)
+            with open(os.path.join(carried, paths.DETACHED_REQUEST), "wb") as f:
+                f.write(serialization.dumps(request))
+            runtime_env["py_modules"] = [carried]
+            # exec: the supervisor is the process Ray watches and stops, not a shell above it.
+            entrypoint = (
+                f"exec {ENTRYPOINT_PYTHON} -m air_magic.calls.supervisor --ray-job {shlex.quote(run_id)}"
+            )
+            client.submit_job(
+                entrypoint=entrypoint,
+                submission_id=run_id,
+                runtime_env=runtime_env,
+                metadata=_metadata(state),
+            )
+    finally:
+        prepared.abandon()
+    place = JobRun(client, run_id)
+    return detached.follow_run(place, make_consumers(prepared.settings.display), on_result, consumers)
+
+
+@contextlib.contextmanager
+def _quiet_uploads() -> Iterator[None]:
+    """Ray's client logs each package it uploads at INFO on stderr: the command says what matters."""
+    names = ("ray.dashboard.modules.dashboard_sdk", "ray._private.runtime_env.packaging")
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+
+
+def request_module(run_id: str) -> str:
+    """The name the request's folder travels under (a Ray ``py_modules`` entry is importable)."""
+    return "air_magic_request_" + run_id.replace("-", "_")
+
+
+def _with(request: Any, **changes: Any) -> Any:
+    import dataclasses
+
+    return dataclasses.replace(request, **changes)
+
+
+def _metadata(state: dict[str, Any]) -> dict[str, str]:
+    fields = ("name", "kind", "world_size", "stop_grace")
+    return {MARK: "1", **{f"{MARK}_{k}": str(state.get(k, "")) for k in fields}}
+
+
+def _job_env() -> dict[str, str]:
+    """The caller's MLflow choices that mean something on the cluster: a tracking server, the
+    experiment. An embedded store is a file here: the job uses the cluster's own default."""
+    env = detached.supervisor_env()
+    kept = {k: env[k] for k in ("MLFLOW_EXPERIMENT_ID", "MLFLOW_EXPERIMENT_NAME") if env.get(k)}
+    uri = env.get("MLFLOW_TRACKING_URI", "")
+    if uri.startswith(("http://", "https://", "databricks")):
+        kept["MLFLOW_TRACKING_URI"] = uri
+    return kept
+
+
+# -- the cluster side (the job's supervisor) -----------------------------------------------
+
+
+def job_folders(run_id: str) -> tuple[str, str]:
+    """Connect to the job's cluster; (this run's folder, the rank logs' root) in the Ray session's
+    logs folder on this node, where the dashboard serves them."""
+    from air_magic.backends.ray import cluster
+
+    ray = cluster.connect()  # RAY_ADDRESS: Ray sets it for a job's entrypoint
+    node = ray._private.worker._global_node
+    logs = node.get_logs_dir_path()
+    # Ray's own folders, 0777 (Ray's temp folder, the session's, its logs): the dashboard serves
+    # only what is under the logs folder, to whoever reaches it.
+    for folder in (node.get_temp_dir_path(), node.get_session_dir_path(), logs):
+        private_files.accept_shared_folder(folder)
+    root = private_files.private_root(
+        os.path.join(logs, jobs_api.LOGS_SUBFOLDER), "the Ray job's log folder", "Remove it"
+    )
+    folder = os.path.join(private_files.private_subfolder(os.path.join(root, JOBS_FOLDER)), run_id)
+    os.mkdir(folder, 0o700)
+    return folder, root
+
+
+def take_request(run_id: str) -> detached.DetachedRequest:
+    """The request that came with the job (its ``py_modules`` folder)."""
+    spec = importlib.util.find_spec(request_module(run_id))
+    if spec is None or not spec.submodule_search_locations:
+        raise LaunchError(f"the request of run {run_id} did not come with its job (py_modules)")
+    folder = next(iter(spec.submodule_search_locations))
+    with open(os.path.join(folder, paths.DETACHED_REQUEST), "rb") as f:
+        request: detached.DetachedRequest = serialization.loads(f.read())
+    return request
+
+
+# -- following from anywhere ---------------------------------------------------------------
+
+
+class JobRun:
+    """A detached run that is a Ray job, read through the cluster's dashboard (a ``RunPlace``)."""
+
+    def __init__(self, client: Any, run_id: str, info: Any = None) -> None:
+        self.client = client
+        self.id = run_id
+        self._info = info
+        self._checked = 0.0
+        self._lock = threading.Lock()
+
+    # -- the job, as Ray reports it
+
+    def info(self, fresh: bool = False) -> Any:
+        with self._lock:
+            if fresh or self._info is None or time.monotonic() - self._checked > POLL_S:
+                self._info = self.client.get_job_info(self.id)
+                self._checked = time.monotonic()
+            return self._info
+
+    def _node(self) -> str | None:
+        return getattr(self.info(), "driver_node_id", None) or None
+
+    def _file(self, name: str) -> str:
+        return f"{jobs_api.LOGS_SUBFOLDER}/{JOBS_FOLDER}/{self.id}/{name}"
+
+    def alive(self) -> bool:
+        return _status_name(self.info()) in _LIVE_JOB
+
+    @property
+    def status(self) -> str:
+        return run_status(self.info(fresh=True))
+
+    # -- RunPlace
+
+    def state(self) -> dict[str, Any]:
+        info = self.info()
+        meta = info.metadata or {}
+        state: dict[str, Any] = {
+            "id": self.id,
+            "name": meta.get(f"{MARK}_name", "?"),
+            "kind": meta.get(f"{MARK}_kind", "function"),
+            "world_size": _int(meta.get(f"{MARK}_world_size")),
+            "stop_grace": float(meta.get(f"{MARK}_stop_grace") or 0.0),
+            "started": (info.start_time or 0) / 1000,
+        }
+        node = self._node()
+        if node is not None:
+            data = jobs_api.read_file(self.client, node, self._file(paths.DETACHED_STATE))
+            if data:
+                try:
+                    import json
+
+                    state.update(json.loads(data))
+                except ValueError:
+                    pass
+        return state
+
+    def replay_from(self) -> int:
+        node = self._node()
+        if node is None:
+            return 0
+        return event_log.replay_from(jobs_api.list_files(self.client, node, self._file("events*.jsonl")))
+
+    def lines_of(self, part: int, stop: threading.Event) -> event_log.Lines:
+        """The part's lines; through the dashboard's stream, opened again (past what was read) if it
+        drops while the job lives; ``None`` while the job has not started or the file is not there."""
+        read = 0
+        while not stop.is_set():
+            node = self._node()
+            if node is not None:
+                seen = 0
+                for line in jobs_api.stream_lines(
+                    self.client, node, self._file(event_log.part_name(part)), stop
+                ):
+                    if line is None:
+                        yield None
+                        continue
+                    seen += 1
+                    if seen > read:
+                        read = seen
+                        yield line
+            if not self.alive():
+                return
+            yield None
+            time.sleep(POLL_S)
+
+    def result(self) -> bytes | None:
+        """The result, once written (the supervisor then ends the MLflow run and exits)."""
+        while True:
+            alive = self.alive()  # before the read: a result written before the end is then seen
+            node = self._node()
+            data = (
+                jobs_api.read_file(self.client, node, self._file(paths.DETACHED_RESULT_TEXT))
+                if node
+                else None
+            )
+            if data:
+                try:
+                    return base64.b64decode(data, validate=True)
+                except ValueError:
+                    pass  # still being written: write_atomically makes that rare
+            if not alive:
+                return None
+            time.sleep(POLL_S)
+
+    def lost(self) -> str:
+        info = self.info(fresh=True)
+        said = f": {info.message}" if getattr(info, "message", None) else ""
+        return (
+            f"Ray job {self.id} ended ({_status_name(info)}{said}) without a result; its ranks ended with "
+            "it (a job's agents and ranks go with its supervisor). Its log: ray job logs " + self.id
+        )
+
+    def cancel(self) -> None:
+        if self.alive():
+            self.client.stop_job(self.id)
+
+    def stacks(self, pids: dict[int, int], log_dir: str | None) -> dict[int, str]:
+        return {}  # not yet: needs a way into the cluster's nodes (docs/plans/submit-from-anywhere.md)
+
+    def as_listed(self) -> detached.DetachedRun:
+        info = self.info()
+        meta = info.metadata or {}
+        status = run_status(info)
+        if status == "running":  # its call may have ended while the supervisor still ends its run
+            said = self.state().get("status")
+            status = said if said in _ENDED.values() else status
+        return detached.DetachedRun(
+            id=self.id,
+            name=meta.get(f"{MARK}_name", "?"),
+            status=status,
+            world_size=_int(meta.get(f"{MARK}_world_size")),
+            started=(info.start_time or 0) / 1000,
+            log_dir=f"ray job {self.id}",
+            folder=f"ray job {self.id}",
+            pid=None,
+            mlflow=None,
+        )
+
+
+def _int(value: Any) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return 0
+
+
+def _status_name(info: Any) -> str:
+    status = getattr(info, "status", "")
+    return str(getattr(status, "value", status))
+
+
+def run_status(info: Any) -> str:
+    """A job's run status, as ``runs()`` says it: starting, running, succeeded, failed, timeout,
+    cancelled, or lost (its supervisor died without saying how the call ended)."""
+    status = _status_name(info)
+    if status == "PENDING":
+        return "starting"
+    if status == "RUNNING":
+        return "running"
+    if status == "STOPPED":
+        return "cancelled"
+    code = getattr(info, "driver_exit_code", None)
+    if status == "SUCCEEDED":
+        return "succeeded"
+    if code == 1:
+        return "failed"  # the supervisor failed before the call (its result says why)
+    return _ENDED.get(code, "lost") if code is not None else "lost"
+
+
+def cluster_address(cluster: str | None = None) -> str | None:
+    """The cluster a follower asks about: ``cluster`` ('ray=ADDRESS'), else ``$RAY_ADDRESS``; None
+    when neither is given (or Ray is not installed here): then only this machine's runs."""
+    if cluster:
+        kind, _, address = cluster.partition("=")
+        if kind != "ray":
+            raise ConfigurationError(f"--cluster must be ray or ray=ADDRESS, got {cluster!r}")
+        return address or os.environ.get("RAY_ADDRESS") or None
+    if not os.environ.get("RAY_ADDRESS") or importlib.util.find_spec("ray") is None:
+        return None
+    return os.environ["RAY_ADDRESS"]
+
+
+def runs(address: str | None) -> list[detached.DetachedRun]:
+    """The air_magic runs on the cluster at ``address``, newest first."""
+    client = jobs_api.client_for(address)
+    jobs = [j for j in client.list_jobs() if (j.metadata or {}).get(MARK) and j.submission_id]
+    jobs.sort(key=lambda j: j.submission_id, reverse=True)
+    return [JobRun(client, j.submission_id, j).as_listed() for j in jobs]
+
+
+def find(run: str | None, address: str | None) -> JobRun:
+    """The cluster's run ``run`` names (its id or the start of it; None: the newest running)."""
+    client = jobs_api.client_for(address)
+    jobs = [j for j in client.list_jobs() if (j.metadata or {}).get(MARK) and j.submission_id]
+    jobs.sort(key=lambda j: j.submission_id, reverse=True)
+    if run is None:
+        live = [j for j in jobs if _status_name(j) in _LIVE_JOB]
+        if not live:
+            raise ConfigurationError("no air_magic run is running on the Ray cluster (runs lists them all)")
+        return JobRun(client, live[0].submission_id, live[0])
+    matches = [j for j in jobs if j.submission_id == run] or [
+        j for j in jobs if j.submission_id.startswith(run)
+    ]
+    if len(matches) != 1:
+        known = ", ".join(j.submission_id for j in jobs[:5]) or "none"
+        what = "no" if not matches else "more than one"
+        raise ConfigurationError(f"{what} run on the Ray cluster matches {run!r} (the newest: {known})")
+    return JobRun(client, matches[0].submission_id, matches[0])
+
+
+def attach(
+    run: str | JobRun | None, address: str | None, display: str = "auto", consumers: Sequence[Any] = ()
+) -> RunHandle:
+    """Follow a run on the cluster from here: its output so far (the newest part), then live."""
+    place = run if isinstance(run, JobRun) else find(run, address)
+    on_result = detached.cell_values if place.state().get("kind") == "cell" else None
+    return detached.follow_run(place, make_consumers(display), on_result, consumers)
+
+
+def rank_log(run: str, rank: int | None, address: str | None) -> str:
+    """A rank's log (``rank`` None: the list of the run's files), read from the job's node."""
+    place = find(run, address)
+    node = place._node()
+    if node is None:
+        raise ConfigurationError(f"run {place.id} has not started on the cluster yet: no log so far")
+    if rank is None:
+        names = jobs_api.list_files(place.client, node, f"{jobs_api.LOGS_SUBFOLDER}/{place.id}/*")
+        return "\n".join([f"ray job {place.id} ({jobs_api.LOGS_SUBFOLDER}/{place.id}/ on its node)", *names])
+    data = jobs_api.read_file(place.client, node, f"{jobs_api.LOGS_SUBFOLDER}/{place.id}/rank-{rank}.log")
+    if data is None:
+        raise ConfigurationError(f"rank {rank} has no log in run {place.id}")
+    return data.decode("utf-8", "replace")

@@ -1,0 +1,307 @@
+"""Detached runs on Ray as Ray jobs (issue 35): submitted, then followed from a process with no state.
+
+A real Ray head with its dashboard on 127.0.0.1 (``ray start --head --block`` in a
+process group of its own, stopped by that group at the module's end). The submitter
+and the followers are ``air-magic`` processes; a follower's HOME and state folder are
+empty, so all it knows comes from the cluster (``RAY_ADDRESS``: the dashboard).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from helpers.cli import command, environment
+from helpers.modules import skip_unless_installed
+
+pytestmark = [skip_unless_installed("ray", "aiohttp_cors"), pytest.mark.timeout(300)]
+fault = pytest.mark.fault
+
+HEAD_START_S = 90
+
+
+@pytest.fixture(scope="module")
+def head():
+    """The dashboard's address of a loopback Ray head of 4 CPUs, stopped (every process of it) after."""
+    temp = tempfile.mkdtemp(prefix="rh", dir="/tmp")  # short: Ray's socket paths live under it
+    bin_dir = os.path.dirname(sys.executable)
+    env = {
+        **os.environ,
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # every listener on 127.0.0.1 (NOTES.md)
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),  # the jobs' python3: this one's
+    }
+    proc = subprocess.Popen(
+        [
+            os.path.join(bin_dir, "ray"),
+            "start",
+            "--head",
+            "--block",
+            "--node-ip-address=127.0.0.1",
+            "--port=0",
+            "--include-dashboard=true",
+            "--dashboard-host=127.0.0.1",
+            "--dashboard-port=0",
+            "--dashboard-agent-listen-port=0",
+            f"--ray-client-server-port={_free_port()}",  # unused, and 10001 by default: two heads collide
+            "--disable-usage-stats",
+            f"--temp-dir={temp}",
+            "--num-cpus=4",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    address = None
+    said: list[str] = []
+    deadline = time.monotonic() + HEAD_START_S
+    while address is None and time.monotonic() < deadline and proc.poll() is None:
+        line = proc.stdout.readline()
+        said.append(line)
+        found = re.search(r"RAY_API_SERVER_ADDRESS='(http://[^']+)'", line)
+        address = found.group(1) if found else None
+    try:
+        assert address is not None, "the Ray head did not start:\n" + "".join(said[-30:])
+        yield address
+    finally:
+        _stop_head(proc, temp)
+
+
+def _free_port() -> int:
+    """A port free now on 127.0.0.1 (Ray cannot be told to leave its client server out or let the
+    kernel choose its port; nothing here uses it)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _stop_head(proc: subprocess.Popen, temp: str) -> None:
+    # `ray start` alone: it stops its processes in 3 s; SIGTERM to the whole group also reaches the
+    # GCS, and the raylet then waits 30 s to drain. The group is killed after, with anything left.
+    try:
+        proc.terminate()
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + 30
+    while True:
+        left = [p for p in psutil.process_iter(["cmdline"]) if temp in " ".join(p.info["cmdline"] or ())]
+        if not left or time.monotonic() > deadline:
+            break
+        for p in left:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        time.sleep(0.5)
+    assert not left, f"the Ray head left processes: {left}"
+    subprocess.run(["rm", "-rf", temp], check=False)
+
+
+@pytest.fixture
+def submitted(head):
+    """The runs a test submits; each is stopped at its end, whatever happened."""
+    runs: list[str] = []
+    yield runs
+    from ray.job_submission import JobSubmissionClient
+
+    client = JobSubmissionClient(head)
+    for run_id in runs:
+        client.stop_job(run_id)
+    for run_id in runs:
+        deadline = time.monotonic() + 60
+        while str(client.get_job_status(run_id)) in ("PENDING", "RUNNING") and time.monotonic() < deadline:
+            time.sleep(0.2)
+
+
+def _elsewhere(tmp_path, address: str) -> dict[str, str]:
+    """A follower's environment: nothing of this machine's air_magic state, the cluster's address."""
+    home = tmp_path / "elsewhere"
+    home.mkdir(exist_ok=True)
+    env = environment()
+    env.update(HOME=str(home), XDG_STATE_HOME=str(home / "state"), RAY_ADDRESS=address)
+    env.pop("AIR_MAGIC_LOG_DIR", None)
+    return env
+
+
+def _air_magic(
+    *args: str, env: dict[str, str], cwd=None, timeout: float = 180
+) -> subprocess.CompletedProcess:
+    started = time.monotonic()
+    done = subprocess.run(
+        [*command(), *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout
+    )
+    print(f"air-magic {args[0]}: {time.monotonic() - started:.1f} s")
+    return done
+
+
+def _project(tmp_path) -> str:
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "helper_lib.py").write_text("def scale(x):\n    return 10 * x\n")
+    (project / "train.py").write_text(
+        textwrap.dedent(
+            """
+            import os, sys, time
+            from helper_lib import scale  # beside the script: the working folder travelled
+
+            rank = int(os.environ["RANK"])
+            print(f"rank {rank} of {os.environ['WORLD_SIZE']} says {scale(rank)}", flush=True)
+            if "--wait" in sys.argv:
+                gate = sys.argv[-1]
+                with open(f"{gate}.{rank}.pid", "w") as f:
+                    f.write(str(os.getpid()))
+                print(f"rank {rank} waits", flush=True)
+                while not os.path.exists(gate):
+                    time.sleep(0.1)
+            if "--fail" in sys.argv and rank == 1:
+                raise ValueError("rank 1 hit a bad batch")
+            print(f"rank {rank} done", flush=True)
+            """
+        )
+    )
+    return str(project)
+
+
+def _submit(project: str, address: str, *script_args: str, runs: list[str]) -> str:
+    env = environment()
+    env.pop("RAY_ADDRESS", None)
+    started = time.monotonic()
+    done = _air_magic(
+        "run",
+        "--no-tracking",
+        "--cluster",
+        f"ray={address}",
+        "--detach",
+        "-n",
+        "2",
+        "train.py",
+        *script_args,
+        env=env,
+        cwd=project,
+    )
+    took = time.monotonic() - started
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = re.search(r"detached run (\S+) started", done.stdout)
+    assert found, done.stdout
+    runs.append(found.group(1))
+    print(f"submitted in {took:.1f} s")
+    return found.group(1)
+
+
+def _job_status(address: str, run_id: str) -> str:
+    from ray.job_submission import JobSubmissionClient
+
+    return str(JobSubmissionClient(address).get_job_status(run_id))
+
+
+@fault(
+    "the submitter exits right after submitting a detached run to Ray",
+    "the job runs on; a process with no local state lists, attaches (whole output, exit 0) and reads logs",
+)
+def test_a_run_submitted_to_ray_is_followed_from_a_process_with_no_state(head, tmp_path, submitted):
+    project = _project(tmp_path)
+    run_id = _submit(project, head, runs=submitted)  # the submitting process has exited
+    env = _elsewhere(tmp_path, head)
+    attached = _air_magic("attach", run_id, env=env)
+    assert attached.returncode == 0, attached.stdout[-2000:] + attached.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank} of 2 says {10 * rank}" in attached.stdout
+        assert f"rank {rank} done" in attached.stdout
+    listed = _air_magic("runs", env=env)
+    assert listed.returncode == 0, listed.stderr
+    (line,) = [ln for ln in listed.stdout.splitlines() if run_id in ln]
+    assert "succeeded" in line and "2 rank(s)" in line and "train.py" in line
+    log = _air_magic("logs", run_id, "1", env=env)
+    assert log.returncode == 0 and "rank 1 done" in log.stdout, log.stderr
+
+
+@fault(
+    "a rank fails in a detached run on Ray",
+    "attach from elsewhere: the rank's own traceback and the exit status of a local attach",
+)
+def test_a_failing_rank_in_a_ray_job_is_reported_by_attach(head, tmp_path, submitted):
+    run_id = _submit(_project(tmp_path), head, "--fail", runs=submitted)
+    attached = _air_magic("attach", run_id, env=_elsewhere(tmp_path, head))
+    assert attached.returncode == 1, attached.stdout[-2000:] + attached.stderr[-3000:]
+    assert "ValueError: rank 1 hit a bad batch" in attached.stderr
+    listed = _air_magic("runs", env=_elsewhere(tmp_path, head))
+    assert any(run_id in ln and "failed" in ln for ln in listed.stdout.splitlines()), listed.stdout
+
+
+@fault(
+    "cancel of a detached run on Ray from another machine",
+    "the job is stopped, every rank gone; the follower ends 'cancelled'",
+)
+def test_cancel_stops_a_ray_job_and_its_ranks(head, tmp_path, submitted):
+    gate = tmp_path / "gate"
+    run_id = _submit(_project(tmp_path), head, "--wait", str(gate), runs=submitted)
+    env = _elsewhere(tmp_path, head)
+    follower = subprocess.Popen(
+        [*command(), "attach", run_id], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    ranks = _wait_for_ranks(gate)
+    cancelled = _air_magic("cancel", run_id, env=env)
+    assert cancelled.returncode == 0, cancelled.stdout + cancelled.stderr
+    assert "cancelled" in cancelled.stdout
+    _wait_gone(ranks)
+    out, err = follower.communicate(timeout=120)
+    assert follower.returncode != 0 and "stopped before it finished" in err, out[-2000:] + err[-2000:]
+    deadline = time.monotonic() + 60  # Ray says STOPPED once the supervisor has ended its run and exited
+    while _job_status(head, run_id) != "STOPPED":
+        assert time.monotonic() < deadline, _job_status(head, run_id)
+        time.sleep(0.5)
+
+
+@fault(
+    "a Ray job's supervisor is killed (SIGKILL)",
+    "its ranks are stopped; attach and runs say the run was lost",
+)
+def test_a_killed_job_supervisor_is_reported_lost_and_its_ranks_stop(head, tmp_path, submitted):
+    gate = tmp_path / "gate"
+    run_id = _submit(_project(tmp_path), head, "--wait", str(gate), runs=submitted)
+    ranks = _wait_for_ranks(gate)
+    (supervisor,) = [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if f"--ray-job {run_id}" in " ".join(p.info["cmdline"] or ())
+    ]
+    supervisor.kill()
+    _wait_gone(ranks, seconds=60)
+    env = _elsewhere(tmp_path, head)
+    attached = _air_magic("attach", run_id, env=env)
+    assert attached.returncode != 0 and "without a result" in attached.stderr, attached.stderr[-2000:]
+    listed = _air_magic("runs", env=env)
+    assert any(run_id in ln and "lost" in ln for ln in listed.stdout.splitlines()), listed.stdout
+
+
+def _wait_for_ranks(gate, count: int = 2, seconds: float = 120) -> list[psutil.Process]:
+    """The rank processes of a job run, once ``count`` of them wait at the gate."""
+    deadline = time.monotonic() + seconds
+    paths = [Path(f"{gate}.{rank}.pid") for rank in range(count)]
+    while not all(p.exists() and p.read_text() for p in paths):
+        assert time.monotonic() < deadline, "the ranks did not start"
+        time.sleep(0.2)
+    return [psutil.Process(int(p.read_text())) for p in paths]
+
+
+def _wait_gone(procs: list[psutil.Process], seconds: float = 30) -> None:
+    _, alive = psutil.wait_procs(procs, timeout=seconds)
+    assert not alive, f"ranks still alive: {alive}"
