@@ -328,7 +328,7 @@ class JobRun:
         status = run_status(info)
         if status == "running":  # its call may have ended while the supervisor still ends its run
             said = self.state().get("status")
-            status = said if said in _ENDED.values() else status
+            status = str(said) if said in _ENDED.values() else status
         return detached.DetachedRun(
             id=self.id,
             name=meta.get(f"{MARK}_name", "?"),
