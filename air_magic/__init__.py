@@ -40,8 +40,8 @@ _LAZY = {
     "distributed": "air_magic.decorator",
     "RunInfo": "air_magic.calls.history",
     "RunHandle": "air_magic.calls.background",
-    "runs": "air_magic.calls.detached",
-    "attach": "air_magic.calls.detached",
+    "runs": "air_magic.calls.anywhere",
+    "attach": "air_magic.calls.anywhere",
     "last_run": "air_magic.calls.history",
     "restart_warm_start": "air_magic.calls.call",
     "ray_init": "air_magic.backends.ray.cluster",
@@ -54,9 +54,9 @@ _LAZY = {
 if TYPE_CHECKING:
     from air_magic import runtime
     from air_magic.backends.ray.cluster import ray_init
+    from air_magic.calls.anywhere import attach, runs
     from air_magic.calls.background import RunHandle
     from air_magic.calls.call import restart_warm_start
-    from air_magic.calls.detached import attach, runs
     from air_magic.calls.history import RunInfo, last_run
     from air_magic.calls.persistent import Session, session
     from air_magic.decorator import DistributedFunction, distributed, ray_launch

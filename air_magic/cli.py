@@ -37,7 +37,7 @@ from types import FrameType
 from typing import Any
 
 from air_magic import torchrun_flags, verbs
-from air_magic.calls import history, ray_jobs
+from air_magic.calls import anywhere, history, ray_jobs
 from air_magic.calls.call import prepare_call, run_call, start_async
 from air_magic.display.json_lines import JsonLines
 from air_magic.display.text import TextDisplay
@@ -452,9 +452,7 @@ def _attach(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     json_out = JsonLines() if args.json else None
     displays = _displays(args, json_out)
-    handle = verbs.attach(
-        args.run, ray_jobs.cluster_address(args.cluster), display="none", consumers=displays
-    )
+    handle = anywhere.attach(args.run, display="none", cluster=args.cluster, consumers=displays)
     previous = _stop_on_signals([])
     try:
         error = handle.exception()
@@ -480,11 +478,11 @@ def _cancel(argv: list[str]) -> int:
     parser.add_argument("run", metavar="RUN", help="its id (or the start of it)")
     _add_cluster(parser)
     args = parser.parse_args(argv)
-    run = verbs.find(args.run, ray_jobs.cluster_address(args.cluster))
+    run = anywhere.find(args.run, args.cluster)
     if run.status == "lost":  # its supervisor died (and its ranks with it): nothing left to stop
         print(f"air-magic: run {run.id} was lost (its supervisor died, its ranks with it); nothing to cancel")
         return 0
-    handle = verbs.attach(run, None, display="none")
+    handle = anywhere.attach(run, display="none")
     if handle.done():
         print(f"air-magic: run {handle.detached_id} had already ended ({handle.status})")
         return 0

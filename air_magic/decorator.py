@@ -187,7 +187,9 @@ def distributed(
     - ``share_gpus``: run even on GPUs that a background run of this process is using
       (both then share their memory and time). Default False.
     - ``detach``: run the ranks under a small supervisor process that outlives this kernel
-      (or terminal): air_magic.attach() re-opens the run from any kernel. Default False.
+      (or terminal): air_magic.attach() re-opens the run from any kernel. With cluster='ray'
+      the supervisor is a Ray job on the cluster, followed from any machine (docs/ray.md).
+      Default False.
     - ``experiment``: the MLflow experiment. Default: MLflow's own, else the notebook's
       or script's name.
     - ``run_name``: the MLflow run's name. Default: MLflow's.

@@ -126,25 +126,6 @@ def runs(log_root: str | None = None, n: int = 20, cluster: str | None = None) -
     return [line for _, line in sorted(rows, reverse=True)[:n]]
 
 
-def find(run: str | None, cluster: str | None) -> Any:
-    """The detached run ``run`` names: one of this machine (a ``DetachedRun``), else, with
-    ``cluster``, one on that Ray cluster (a ``ray_jobs.JobRun``). None: the newest running."""
-    try:
-        return detached.find(run)
-    except ConfigurationError:
-        if cluster is None:
-            raise
-    return ray_jobs.find(run, cluster)
-
-
-def attach(run: Any, cluster: str | None, display: str = "auto", consumers: Any = ()) -> Any:
-    """Follow the detached run ``run`` names (or is) here: its output so far, then live; its handle."""
-    found = run if isinstance(run, (detached.DetachedRun, ray_jobs.JobRun)) else find(run, cluster)
-    if isinstance(found, ray_jobs.JobRun):
-        return ray_jobs.attach(found, None, display, consumers)
-    return detached.attach(found, display, consumers)
-
-
 def split_logs_args(words: list[str]) -> tuple[str, int | None]:
     """``[RUN] [RANK]``: a bare number is a rank; RUN defaults to 'last'."""
     runs = [w for w in words if not w.isdigit()]

@@ -42,7 +42,7 @@ from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.utils.process import arg_split
 
 from air_magic import paths, verbs
-from air_magic.calls import background, detached, history, persistent
+from air_magic.calls import anywhere, background, detached, history, persistent, ray_jobs
 from air_magic.calls import call as session
 from air_magic.errors import ConfigurationError
 from air_magic.launch.accelerators import describe, detect_gpus
@@ -194,7 +194,10 @@ class DistributedMagics(Magics):
             print("air_magic: the warm starter was stopped; the next call starts a fresh one")
             return None
         if command == "runs":
-            print("\n".join(verbs.runs()) or "air_magic: no call yet in the log folder")
+            print(
+                "\n".join(verbs.runs(cluster=ray_jobs.cluster_address()))
+                or "air_magic: no call yet in the log folder"
+            )
             return None
         if command == "attach":
             return _attach(words[1:])
@@ -337,7 +340,7 @@ def _stack(args: list[str]) -> Any:
 
 def _attach(args: list[str]) -> Any:
     try:
-        return detached.attach(args[0] if args else None)
+        return anywhere.attach(args[0] if args else None)
     except ConfigurationError as exc:
         raise UsageError(str(exc)) from None
 
@@ -346,7 +349,7 @@ def _cancel(args: list[str]) -> None:
     """The newest run this kernel started or follows; another one only when named (RUN)."""
     if args:
         try:
-            handle = detached.attach(args[0], display="none")
+            handle = anywhere.attach(args[0], display="none")
         except ConfigurationError as exc:
             raise UsageError(str(exc)) from None
     else:
@@ -409,7 +412,7 @@ def _logs(args: list[str]) -> None:
         if run == "last" and last is None:
             print("air_magic: no run yet in this kernel (%distributed logs RUN shows another's)")
             return
-        print(verbs.logs(run, rank, last=last, tail=50))
+        print(verbs.logs(run, rank, last=last, tail=50, cluster=ray_jobs.cluster_address()))
     except ConfigurationError as exc:
         raise UsageError(f"%distributed logs: {exc}") from None
 

@@ -187,11 +187,6 @@ def test_a_foreground_detached_call_and_a_detached_cell(ip, tmp_path):
     assert again.result(timeout=60) == [10, 10]
 
 
-def test_detach_refuses_a_ray_cluster():
-    with pytest.raises(ConfigurationError, match="detach=True runs on this machine only"):
-        air_magic.distributed(detach=True, cluster="ray")
-
-
 def test_a_detached_run_is_private_to_its_user(tmp_path):
     fn = air_magic.distributed(num_accelerators=2, display="none", tracking=False, detach=True)(lambda: 3)
     handle = fn.distributed_async()

@@ -23,6 +23,9 @@ import pytest
 from helpers.cli import command, environment
 from helpers.modules import skip_unless_installed
 
+import air_magic
+from air_magic.errors import LaunchError
+
 pytestmark = [skip_unless_installed("ray", "aiohttp_cors"), pytest.mark.timeout(300)]
 fault = pytest.mark.fault
 
@@ -213,37 +216,32 @@ def _job_status(address: str, run_id: str) -> str:
 
 
 @fault(
-    "the submitter exits right after submitting a detached run to Ray",
-    "the job runs on; a process with no local state lists, attaches (whole output, exit 0) and reads logs",
+    "the submitter exits right after submitting detached runs to Ray (one succeeds, one's rank fails)",
+    "the jobs run on; a process with no local state lists them, attaches (the whole output; exit 0, "
+    "or the rank's own traceback and exit 1) and reads a rank's log",
 )
-def test_a_run_submitted_to_ray_is_followed_from_a_process_with_no_state(head, tmp_path, submitted):
+def test_runs_submitted_to_ray_are_followed_from_a_process_with_no_state(head, tmp_path, submitted):
     project = _project(tmp_path)
     run_id = _submit(project, head, runs=submitted)  # the submitting process has exited
+    failing = _submit(project, head, "--fail", runs=submitted)
     env = _elsewhere(tmp_path, head)
     attached = _air_magic("attach", run_id, env=env)
     assert attached.returncode == 0, attached.stdout[-2000:] + attached.stderr[-3000:]
     for rank in (0, 1):
-        assert f"rank {rank} of 2 says {10 * rank}" in attached.stdout
+        assert f"rank {rank} of 2 says {10 * rank}" in attached.stdout  # its helper module came along
         assert f"rank {rank} done" in attached.stdout
-    listed = _air_magic("runs", env=env)
-    assert listed.returncode == 0, listed.stderr
-    (line,) = [ln for ln in listed.stdout.splitlines() if run_id in ln]
-    assert "succeeded" in line and "2 rank(s)" in line and "train.py" in line
-    log = _air_magic("logs", run_id, "1", env=env)
-    assert log.returncode == 0 and "rank 1 done" in log.stdout, log.stderr
-
-
-@fault(
-    "a rank fails in a detached run on Ray",
-    "attach from elsewhere: the rank's own traceback and the exit status of a local attach",
-)
-def test_a_failing_rank_in_a_ray_job_is_reported_by_attach(head, tmp_path, submitted):
-    run_id = _submit(_project(tmp_path), head, "--fail", runs=submitted)
-    attached = _air_magic("attach", run_id, env=_elsewhere(tmp_path, head))
+    attached = _air_magic("attach", failing, env=env)
     assert attached.returncode == 1, attached.stdout[-2000:] + attached.stderr[-3000:]
     assert "ValueError: rank 1 hit a bad batch" in attached.stderr
-    listed = _air_magic("runs", env=_elsewhere(tmp_path, head))
-    assert any(run_id in ln and "failed" in ln for ln in listed.stdout.splitlines()), listed.stdout
+    listed = _air_magic("runs", env=env)
+    assert listed.returncode == 0, listed.stderr
+    lines = {run: [ln for ln in listed.stdout.splitlines() if run in ln] for run in (run_id, failing)}
+    assert (
+        "succeeded" in lines[run_id][0] and "2 rank(s)" in lines[run_id][0] and "train.py" in lines[run_id][0]
+    )
+    assert "failed" in lines[failing][0]
+    log = _air_magic("logs", run_id, "1", env=env)
+    assert log.returncode == 0 and "rank 1 done" in log.stdout, log.stderr
 
 
 @fault(
@@ -278,18 +276,22 @@ def test_a_killed_job_supervisor_is_reported_lost_and_its_ranks_stop(head, tmp_p
     gate = tmp_path / "gate"
     run_id = _submit(_project(tmp_path), head, "--wait", str(gate), runs=submitted)
     ranks = _wait_for_ranks(gate)
+    # Followed from this process through the Python API (a kernel's way), with the cluster named.
+    handle = air_magic.attach(run_id, display="none", cluster=f"ray={head}")
+    assert sorted(handle.rank_pids) == [0, 1] and handle.status == "running"
     (supervisor,) = [
         p
         for p in psutil.process_iter(["cmdline"])
         if f"--ray-job {run_id}" in " ".join(p.info["cmdline"] or ())
     ]
     supervisor.kill()
-    _wait_gone(ranks, seconds=60)
-    env = _elsewhere(tmp_path, head)
-    attached = _air_magic("attach", run_id, env=env)
+    _wait_gone(ranks, seconds=60)  # its agents went with it (they were the job's actors)
+    with pytest.raises(LaunchError, match="without a result"):
+        handle.result(timeout=60)
+    (listed,) = [r for r in air_magic.runs(cluster=f"ray={head}") if r.id == run_id]
+    assert listed.status == "lost"
+    attached = _air_magic("attach", run_id, env=_elsewhere(tmp_path, head))
     assert attached.returncode != 0 and "without a result" in attached.stderr, attached.stderr[-2000:]
-    listed = _air_magic("runs", env=env)
-    assert any(run_id in ln and "lost" in ln for ln in listed.stdout.splitlines()), listed.stdout
 
 
 def _wait_for_ranks(gate, count: int = 2, seconds: float = 120) -> list[psutil.Process]:

@@ -45,7 +45,7 @@ EVERY_SETTING = (
         "warm_start": False,
         "cluster": "ray=127.0.0.1:6379",
         "share_gpus": True,
-        "detach": False,  # True with cluster= is refused (a local supervisor): --no-detach here
+        "detach": False,  # --no-detach here
         "experiment": "exp",
         "run_name": "run-1",
         "run_id": "0123abcd",
