@@ -436,8 +436,12 @@ def _start_detached(
         return 1
     run = handle.detached_id
     print(f"air-magic: detached run {run} started")
+    where = ""
+    if settings.cluster is not None and settings.cluster != "ray":  # not found by $RAY_ADDRESS otherwise
+        where = f" --cluster {settings.cluster}"
     print(
-        f"  follow it: air-magic attach {run}   stop it: air-magic cancel {run}   logs: air-magic logs {run}"
+        f"  follow it: air-magic attach{where} {run}   stop it: air-magic cancel{where} {run}   "
+        f"logs: air-magic logs{where} {run}"
     )
     return 0
 

@@ -10,6 +10,7 @@ come through here.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,7 +25,15 @@ def runs(cluster: str | None = None) -> list[detached.DetachedRun]:
     found = detached.runs()
     address = ray_jobs.cluster_address(cluster)
     if address is not None:
-        found += ray_jobs.runs(address)
+        try:
+            found += ray_jobs.runs(address)
+        except Exception as exc:  # this machine's runs are still listed
+            if cluster is not None:  # asked for by name: say it, as an error
+                raise
+            print(
+                f"air_magic: the Ray cluster at {address} did not answer ({exc}); this machine's runs only",
+                file=sys.stderr,
+            )
     return sorted(found, key=lambda r: r.id, reverse=True)
 
 
@@ -34,8 +43,8 @@ def find(run: str | None, cluster: str | None = None) -> detached.DetachedRun | 
     address = ray_jobs.cluster_address(cluster)
     try:
         return detached.find(run)
-    except ConfigurationError:
-        if address is None:
+    except ConfigurationError as exc:
+        if address is None or not str(exc).startswith("no "):  # "more than one" is the user's to settle
             raise
     return ray_jobs.find(run, address)
 
@@ -49,6 +58,8 @@ def attach(
     """Re-open a detached run (default: the newest one still running), here or on the cluster: its
     output so far, then the stream; the handle's result() waits for the end, cancel() stops it."""
     found = run if isinstance(run, (detached.DetachedRun, ray_jobs.JobRun)) else find(run, cluster)
+    if isinstance(found, detached.DetachedRun) and found.cluster is not None:  # as runs() listed it
+        found = ray_jobs.find(found.id, found.cluster)
     if isinstance(found, ray_jobs.JobRun):
         return ray_jobs.attach(found, None, display, consumers)
     return detached.attach(found, display, consumers)

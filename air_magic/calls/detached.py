@@ -100,6 +100,7 @@ class DetachedRun:
     folder: str
     pid: int | None
     mlflow: str | None
+    cluster: str | None = None  # a Ray job's: the cluster's dashboard address (calls/ray_jobs.py)
 
     def __str__(self) -> str:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started))
@@ -337,9 +338,11 @@ class RunPlace(Protocol):
 
     def state(self) -> dict[str, Any]: ...
     def replay_from(self) -> int: ...  # the event log's part a new follower starts at
+    # A part's lines as written; None: nothing new now. The lines end when the writer is gone and
+    # everything it wrote was given (a place that cannot tell says so with None and alive()).
     def lines_of(self, part: int, stop: threading.Event) -> event_log.Lines: ...
     def alive(self) -> bool: ...  # its supervisor lives (or is still starting)
-    def result(self) -> bytes | None: ...  # once written (waits while the supervisor lives)
+    def result(self) -> RunResult | None: ...  # once written (waits while the supervisor lives)
     def lost(self) -> str: ...  # why there is no result
     def cancel(self) -> None: ...
     def stacks(self, pids: dict[int, int], log_dir: str | None) -> dict[int, str]: ...
@@ -365,11 +368,15 @@ class FolderRun:
     def alive(self) -> bool:
         return _supervisor_alive(self.folder)
 
-    def result(self) -> bytes | None:
+    def result(self) -> RunResult | None:
         path = os.path.join(self.folder, RESULT)
         while not os.path.exists(path) and _supervisor_alive(self.folder):
             time.sleep(0.05)
-        return wire.read_bytes(path)
+        data = wire.read_bytes(path)
+        if data is None:
+            return None
+        result: RunResult = serialization.loads(data)  # this user's own folder: its supervisor wrote it
+        return result
 
     def lost(self) -> str:
         supervisor = _supervisor(self.folder)
@@ -503,17 +510,16 @@ def _emit(consumers: list[Any], event: Event) -> None:
 def _outcome(place: RunPlace, finished: RunFinished | None) -> tuple[RunResult | None, BaseException | None]:
     """The run's result, once the supervisor has written it (after the ranks, it ends the MLflow
     run, which may take a while); or, once it is gone without one, why there is none."""
-    data = place.result()
-    if data is None:
-        return None, LaunchError(place.lost())
     try:
-        result: RunResult = serialization.loads(data)
+        result = place.result()
     except Exception as exc:  # noqa: BLE001 - the handle must end, and say why it has no result
         state = place.state()
         return None, LaunchError(
             f"detached run {place.id} ended ({state.get('status', '?')}), but its result "
             f"could not be read here: {type(exc).__name__}: {exc}. Its logs: {state.get('log_dir')}"
         )
+    if result is None:
+        return None, LaunchError(place.lost())
     return result, None
 
 

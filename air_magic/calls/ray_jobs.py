@@ -24,9 +24,9 @@ API (docs/ray.md says how to limit that).
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import importlib.util
+import json
 import logging
 import os
 import shlex
@@ -42,18 +42,20 @@ from air_magic.calls import detached
 from air_magic.calls.background import RunHandle
 from air_magic.display.widgets import make_consumers
 from air_magic.errors import ConfigurationError, LaunchError
+from air_magic.launch import result_text
 from air_magic.launch.accelerators import AcceleratorPlan
-from air_magic.launch.request import new_run_id
+from air_magic.launch.request import RunResult, new_run_id
+from air_magic.launch.result_text import RUN_STATUS_OF_EXIT
 from air_magic.launch.settings import LaunchSettings
 from air_magic.protocol import event_log, serialization
+from air_magic.protocol.events import Outcome
 
 MARK = "air_magic"  # the jobs' metadata key that tells air_magic's runs from other Ray jobs
 JOBS_FOLDER = "jobs"  # <session>/logs/air_magic/jobs/<run>/: a run's state, events and result
 ENTRYPOINT_PYTHON = "python3"  # on the cluster: where Ray and air_magic are installed
 STOP_MARGIN_S = 30  # beyond the ranks' stop grace, before Ray kills a cancelled job's supervisor
+UNREACHABLE_S = 30.0  # a follower keeps going this long while the dashboard does not answer
 POLL_S = 0.5  # how often a follower asks the Jobs API whether the job still runs
-# What Ray's status and the supervisor's exit status (calls/supervisor.EXIT_STATUS) say of a run.
-_ENDED = {0: "succeeded", 3: "failed", 4: "timeout", 5: "cancelled"}
 _LIVE_JOB = ("PENDING", "RUNNING")
 
 
@@ -93,11 +95,16 @@ def submit(prepared: Any, on_result: Any = None, consumers: Sequence[Any] = ()) 
     run_id = new_run_id()
     request = detached.request_for(prepared)
     state = detached.first_state(run_id, prepared)
-    request = _with(request, state=state, sys_path=[])
+    env = _job_env()
+    # The grace as resolved here (TORCH_ELASTIC_SHUTDOWN_TIMEOUT...), so the cluster's is the same;
+    # the caller's active MLflow run only where its store goes with the job.
+    raw = {**request.settings_raw, "stop_grace": state["stop_grace"]}
+    active = request.active if "MLFLOW_TRACKING_URI" in env else None
+    request = _with(request, state=state, sys_path=[], settings_raw=raw, active=active)
     # Ray's stop_job: SIGTERM to the supervisor, then SIGKILL after this many seconds (an integer):
     # the ranks' stop grace and the supervisor's own end (the MLflow run, the result) fit in it.
     grace = {"RAY_JOB_STOP_WAIT_TIME_S": str(int(state["stop_grace"]) + STOP_MARGIN_S)}
-    runtime_env: dict[str, Any] = {"env_vars": {**_job_env(), **grace}}
+    runtime_env: dict[str, Any] = {"env_vars": {**env, **grace}}
     if prepared.kind in ("script", "module", "program"):
         runtime_env["working_dir"] = os.getcwd()  # the code beside it travels (Ray's rules: .gitignore...)
     try:
@@ -119,7 +126,7 @@ def submit(prepared: Any, on_result: Any = None, consumers: Sequence[Any] = ()) 
             )
     finally:
         prepared.abandon()
-    place = JobRun(client, run_id)
+    place = JobRun(client, run_id, address=submitter.address)
     return detached.follow_run(place, make_consumers(prepared.settings.display), on_result, consumers)
 
 
@@ -205,20 +212,27 @@ def take_request(run_id: str) -> detached.DetachedRequest:
 class JobRun:
     """A detached run that is a Ray job, read through the cluster's dashboard (a ``RunPlace``)."""
 
-    def __init__(self, client: Any, run_id: str, info: Any = None) -> None:
+    def __init__(self, client: Any, run_id: str, info: Any = None, address: str | None = None) -> None:
         self.client = client
         self.id = run_id
+        self.address = address
         self._info = info
-        self._checked = 0.0
+        self._checked = time.monotonic() if info is not None else 0.0
         self._lock = threading.Lock()
 
     # -- the job, as Ray reports it
 
     def info(self, fresh: bool = False) -> Any:
+        """The job's details (at most POLL_S old); the last ones while the dashboard does not answer
+        for up to UNREACHABLE_S (a network's blip must not end a follower)."""
         with self._lock:
             if fresh or self._info is None or time.monotonic() - self._checked > POLL_S:
-                self._info = self.client.get_job_info(self.id)
-                self._checked = time.monotonic()
+                try:
+                    self._info = self.client.get_job_info(self.id)
+                    self._checked = time.monotonic()
+                except Exception:
+                    if self._info is None or time.monotonic() - self._checked > UNREACHABLE_S:
+                        raise
             return self._info
 
     def _node(self) -> str | None:
@@ -252,8 +266,6 @@ class JobRun:
             data = jobs_api.read_file(self.client, node, self._file(paths.DETACHED_STATE))
             if data:
                 try:
-                    import json
-
                     state.update(json.loads(data))
                 except ValueError:
                     pass
@@ -261,35 +273,57 @@ class JobRun:
 
     def replay_from(self) -> int:
         node = self._node()
-        if node is None:
+        if node is None:  # not started: it will write from the first part
             return 0
         return event_log.replay_from(jobs_api.list_files(self.client, node, self._file("events*.jsonl")))
 
     def lines_of(self, part: int, stop: threading.Event) -> event_log.Lines:
-        """The part's lines; through the dashboard's stream, opened again (past what was read) if it
-        drops while the job lives; ``None`` while the job has not started or the file is not there."""
+        """The part's lines: what is written so far (one read), then ``None`` (caught up), then new
+        lines through the dashboard's stream, opened again past what was read if it drops. Once the
+        job has ended, the rest is read whole and the lines end: a ``None`` here never means the end."""
+        name = self._file(event_log.part_name(part))
         read = 0
-        while not stop.is_set():
+
+        def rest(node: str) -> list[str]:
+            nonlocal read
+            data = jobs_api.read_file(self.client, node, name) or b""
+            lines = data.decode("utf-8", "replace").splitlines(keepends=True)
+            if lines and not lines[-1].endswith("\n"):
+                lines.pop()  # still being written: the stream gives it whole
+            new, read = lines[read:], max(read, len(lines))
+            return new
+
+        node = self._node()
+        while node is None:  # not started yet: nothing to replay, so None (caught up) until it runs
+            if stop.is_set() or not self.alive():
+                return  # ended before it ran: no lines
+            yield None
+            time.sleep(POLL_S)
             node = self._node()
-            if node is not None:
-                seen = 0
-                for line in jobs_api.stream_lines(
-                    self.client, node, self._file(event_log.part_name(part)), stop
-                ):
-                    if line is None:
-                        yield None
-                        continue
-                    seen += 1
-                    if seen > read:
-                        read = seen
-                        yield line
+        yield from rest(node)
+        yield None  # caught up with what was written
+        while not stop.is_set():
+            seen = 0
+            for line in jobs_api.stream_lines(self.client, node, name, stop):
+                if line is None:
+                    if not self.alive():
+                        yield from rest(node)
+                        return
+                    yield None
+                    continue
+                seen += 1
+                if seen > read:
+                    read = seen
+                    yield line
             if not self.alive():
+                yield from rest(node)
                 return
             yield None
             time.sleep(POLL_S)
 
-    def result(self) -> bytes | None:
-        """The result, once written (the supervisor then ends the MLflow run and exits)."""
+    def result(self) -> RunResult | None:
+        """The result (``result.json``: nothing is unpickled), once written -- the supervisor then
+        ends the MLflow run and exits; None if the job ended without one."""
         while True:
             alive = self.alive()  # before the read: a result written before the end is then seen
             node = self._node()
@@ -300,10 +334,13 @@ class JobRun:
             )
             if data:
                 try:
-                    return base64.b64decode(data, validate=True)
-                except ValueError:
-                    pass  # still being written: write_atomically makes that rare
+                    return result_text.from_json(data)
+                except (ValueError, KeyError):
+                    pass  # being written: write_atomically makes that rare
             if not alive:
+                if _status_name(self.info(fresh=True)) == "STOPPED":  # cancelled before its supervisor ran
+                    said = f"Ray job {self.id} was cancelled before its ranks started; nothing ran"
+                    return RunResult(self.id, "", Outcome.INTERRUPTED, error=LaunchError(said))
                 return None
             time.sleep(POLL_S)
 
@@ -320,7 +357,7 @@ class JobRun:
             self.client.stop_job(self.id)
 
     def stacks(self, pids: dict[int, int], log_dir: str | None) -> dict[int, str]:
-        return {}  # not yet: needs a way into the cluster's nodes (docs/plans/submit-from-anywhere.md)
+        return {}  # not yet: needs each rank's node (docs/plans/submit-from-anywhere.md)
 
     def as_listed(self) -> detached.DetachedRun:
         info = self.info()
@@ -328,17 +365,18 @@ class JobRun:
         status = run_status(info)
         if status == "running":  # its call may have ended while the supervisor still ends its run
             said = self.state().get("status")
-            status = str(said) if said in _ENDED.values() else status
+            status = str(said) if said in RUN_STATUS_OF_EXIT.values() else status
         return detached.DetachedRun(
             id=self.id,
             name=meta.get(f"{MARK}_name", "?"),
             status=status,
             world_size=_int(meta.get(f"{MARK}_world_size")),
             started=(info.start_time or 0) / 1000,
-            log_dir=f"ray job {self.id}",
+            log_dir=None,
             folder=f"ray job {self.id}",
             pid=None,
             mlflow=None,
+            cluster=self.address,
         )
 
 
@@ -364,12 +402,12 @@ def run_status(info: Any) -> str:
         return "running"
     if status == "STOPPED":
         return "cancelled"
-    code = getattr(info, "driver_exit_code", None)
     if status == "SUCCEEDED":
         return "succeeded"
-    if code == 1:
-        return "failed"  # the supervisor failed before the call (its result says why)
-    return _ENDED.get(code, "lost") if code is not None else "lost"
+    if not getattr(info, "driver_node_id", None) and getattr(info, "driver_exit_code", None) is None:
+        return "failed"  # it never ran: its runtime environment, say (Ray's message says why)
+    code = getattr(info, "driver_exit_code", None)
+    return RUN_STATUS_OF_EXIT.get(code, "lost") if isinstance(code, int) else "lost"
 
 
 def cluster_address(cluster: str | None = None) -> str | None:
@@ -380,9 +418,11 @@ def cluster_address(cluster: str | None = None) -> str | None:
         if kind != "ray":
             raise ConfigurationError(f"--cluster must be ray or ray=ADDRESS, got {cluster!r}")
         return address or os.environ.get("RAY_ADDRESS") or None
-    if not os.environ.get("RAY_ADDRESS") or importlib.util.find_spec("ray") is None:
+    address = os.environ.get("RAY_ADDRESS", "")
+    # Only a dashboard's address: RAY_ADDRESS set for ray.init (host:6379, ray://) is not asked.
+    if not address.startswith(("http://", "https://")) or importlib.util.find_spec("ray") is None:
         return None
-    return os.environ["RAY_ADDRESS"]
+    return address
 
 
 def runs(address: str | None) -> list[detached.DetachedRun]:
@@ -390,7 +430,7 @@ def runs(address: str | None) -> list[detached.DetachedRun]:
     client = jobs_api.client_for(address)
     jobs = [j for j in client.list_jobs() if (j.metadata or {}).get(MARK) and j.submission_id]
     jobs.sort(key=lambda j: j.submission_id, reverse=True)
-    return [JobRun(client, j.submission_id, j).as_listed() for j in jobs]
+    return [JobRun(client, j.submission_id, j, address).as_listed() for j in jobs]
 
 
 def find(run: str | None, address: str | None) -> JobRun:
@@ -402,7 +442,7 @@ def find(run: str | None, address: str | None) -> JobRun:
         live = [j for j in jobs if _status_name(j) in _LIVE_JOB]
         if not live:
             raise ConfigurationError("no air_magic run is running on the Ray cluster (runs lists them all)")
-        return JobRun(client, live[0].submission_id, live[0])
+        return JobRun(client, live[0].submission_id, live[0], address)
     matches = [j for j in jobs if j.submission_id == run] or [
         j for j in jobs if j.submission_id.startswith(run)
     ]
@@ -410,7 +450,7 @@ def find(run: str | None, address: str | None) -> JobRun:
         known = ", ".join(j.submission_id for j in jobs[:5]) or "none"
         what = "no" if not matches else "more than one"
         raise ConfigurationError(f"{what} run on the Ray cluster matches {run!r} (the newest: {known})")
-    return JobRun(client, matches[0].submission_id, matches[0])
+    return JobRun(client, matches[0].submission_id, matches[0], address)
 
 
 def attach(
@@ -422,16 +462,20 @@ def attach(
     return detached.follow_run(place, make_consumers(display), on_result, consumers)
 
 
-def rank_log(run: str, rank: int | None, address: str | None) -> str:
-    """A rank's log (``rank`` None: the list of the run's files), read from the job's node."""
+def rank_log(run: str, rank: int | None, address: str | None, tail: int | None = None) -> str:
+    """A rank's log (its last ``tail`` lines; ``rank`` None: the run's files), from the job's node."""
     place = find(run, address)
     node = place._node()
     if node is None:
         raise ConfigurationError(f"run {place.id} has not started on the cluster yet: no log so far")
+    folder = f"{jobs_api.LOGS_SUBFOLDER}/{place.id}"
     if rank is None:
-        names = jobs_api.list_files(place.client, node, f"{jobs_api.LOGS_SUBFOLDER}/{place.id}/*")
-        return "\n".join([f"ray job {place.id} ({jobs_api.LOGS_SUBFOLDER}/{place.id}/ on its node)", *names])
-    data = jobs_api.read_file(place.client, node, f"{jobs_api.LOGS_SUBFOLDER}/{place.id}/rank-{rank}.log")
+        names = jobs_api.list_files(place.client, node, f"{folder}/*")
+        return "\n".join([f"ray job {place.id} ({folder}/ on its node)", *names])
+    data = jobs_api.read_file(place.client, node, paths.rank_log(folder, rank))
     if data is None:
         raise ConfigurationError(f"rank {rank} has no log in run {place.id}")
-    return data.decode("utf-8", "replace")
+    text = data.decode("utf-8", "replace")
+    if tail is None:
+        return text
+    return "\n".join(text.splitlines()[-tail:]) + f"\n(full log: air-magic logs {place.id} {rank})"

@@ -21,7 +21,6 @@ its MLflow run KILLED.
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import os
 import signal
@@ -67,6 +66,7 @@ from air_magic.backends.base import Backend  # noqa: E402
 from air_magic.backends.local.backend import LocalBackend  # noqa: E402
 from air_magic.calls import detached  # noqa: E402
 from air_magic.calls.call import PreparedCall  # noqa: E402
+from air_magic.launch import result_text  # noqa: E402
 from air_magic.launch.request import RunResult  # noqa: E402
 from air_magic.launch.settings import LaunchSettings, make_settings  # noqa: E402
 from air_magic.protocol import event_log, serialization, wire  # noqa: E402
@@ -75,8 +75,8 @@ from air_magic.tracking import run as tracking  # noqa: E402
 
 # The supervisor's exit status says how the call ended: a Ray job's status follows it (FAILED
 # unless it succeeded) and its followers read the outcome from it (calls/ray_jobs.py).
-EXIT_STATUS = {Outcome.SUCCEEDED: 0, Outcome.FAILED: 3, Outcome.TIMEOUT: 4, Outcome.INTERRUPTED: 5}
-EXIT_BEFORE_THE_CALL = 1
+EXIT_STATUS = result_text.SUPERVISOR_EXIT
+EXIT_BEFORE_THE_CALL = result_text.EXIT_BEFORE_THE_CALL
 
 
 def main(argv: list[str]) -> int:
@@ -95,11 +95,17 @@ def _main_job(run_id: str) -> int:
     from air_magic.backends.ray.backend import RayBackend
     from air_magic.calls import ray_jobs
 
-    folder, log_root = ray_jobs.job_folders(run_id)  # connects to the job's cluster
-    # ray.init() put Ray's own SIGTERM handler in place (it logs and exits): Ray's stop_job is a
-    # cancel here, as a local supervisor's SIGTERM is.
-    signal.signal(signal.SIGTERM, _on_stop_signal)
-    signal.signal(signal.SIGINT, _on_stop_signal)
+    # ray.init() puts Ray's own SIGTERM handler in place (it logs and exits): a stop that comes
+    # meanwhile waits (blocked), then reaches ours, so Ray's stop_job is a cancel here as a local
+    # supervisor's SIGTERM is.
+    stops = {signal.SIGTERM, signal.SIGINT}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stops)
+    try:
+        folder, log_root = ray_jobs.job_folders(run_id)  # connects to the job's cluster
+    finally:
+        signal.signal(signal.SIGTERM, _on_stop_signal)
+        signal.signal(signal.SIGINT, _on_stop_signal)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)
     try:
         request = ray_jobs.take_request(run_id)
         detached.write_state(folder, {**request.state, "started": time.time()})
@@ -214,17 +220,18 @@ class _RecordInState:
 
 
 def _write_result(folder: str, result: RunResult, text: bool = False) -> None:
-    """``result.pkl``; ``text``: ``result.b64`` (base64), for followers that read it over HTTP."""
+    """``result.pkl``; ``text``: ``result.json`` (launch/result_text.py), for followers that read it
+    over HTTP and unpickle nothing."""
+    if text:
+        wire.write_atomically(os.path.join(folder, paths.DETACHED_RESULT_TEXT), result_text.to_json(result))
+        return
     try:
         data = serialization.dumps(result)
         if result.error is not None:  # what a follower will do: an error that pickles may not load
             serialization.loads(serialization.dumps(result.error))
     except Exception as exc:  # noqa: BLE001 - a value that cannot be pickled again: say so
         data = serialization.dumps(_kept_as_text(result, exc))
-    if text:
-        wire.write_atomically(os.path.join(folder, paths.DETACHED_RESULT_TEXT), base64.b64encode(data))
-    else:
-        wire.write_atomically(os.path.join(folder, detached.RESULT), data)
+    wire.write_atomically(os.path.join(folder, detached.RESULT), data)
 
 
 if __name__ == "__main__":

@@ -136,7 +136,7 @@ class EventLogWriter:
                 self._snapshot[key] = event
             line = to_line(event)
             self._file.write(line)
-            self._written += len(line)
+            self._written += len(line.encode("utf-8", "replace"))
             if self._written >= self._part_bytes and not isinstance(event, RunFinished):
                 self._next_part()
         now = time.monotonic()

@@ -34,7 +34,7 @@ HEAD_START_S = 90
 
 @pytest.fixture(scope="module")
 def head():
-    """The dashboard's address of a loopback Ray head of 4 CPUs, stopped (every process of it) after."""
+    """The dashboard's address of a loopback Ray head of 8 CPUs, stopped (every process of it) after."""
     temp = tempfile.mkdtemp(prefix="rh", dir="/tmp")  # short: Ray's socket paths live under it
     bin_dir = os.path.dirname(sys.executable)
     env = {
@@ -58,7 +58,7 @@ def head():
             f"--ray-client-server-port={_free_port()}",  # unused, and 10001 by default: two heads collide
             "--disable-usage-stats",
             f"--temp-dir={temp}",
-            "--num-cpus=4",
+            "--num-cpus=8",
         ],
         env=env,
         stdout=subprocess.PIPE,
@@ -233,65 +233,59 @@ def test_runs_submitted_to_ray_are_followed_from_a_process_with_no_state(head, t
     attached = _air_magic("attach", failing, env=env)
     assert attached.returncode == 1, attached.stdout[-2000:] + attached.stderr[-3000:]
     assert "ValueError: rank 1 hit a bad batch" in attached.stderr
-    listed = _air_magic("runs", env=env)
-    assert listed.returncode == 0, listed.stderr
-    lines = {run: [ln for ln in listed.stdout.splitlines() if run in ln] for run in (run_id, failing)}
-    assert (
-        "succeeded" in lines[run_id][0] and "2 rank(s)" in lines[run_id][0] and "train.py" in lines[run_id][0]
+    listed = {r.id: r for r in air_magic.runs(cluster=f"ray={head}")}  # air-magic runs' own list
+    assert (listed[run_id].status, listed[run_id].world_size, listed[run_id].name) == (
+        "succeeded",
+        2,
+        "train.py",
     )
-    assert "failed" in lines[failing][0]
+    assert listed[failing].status == "failed" and listed[failing].cluster == head
     log = _air_magic("logs", run_id, "1", env=env)
     assert log.returncode == 0 and "rank 1 done" in log.stdout, log.stderr
 
 
 @fault(
-    "cancel of a detached run on Ray from another machine",
-    "the job is stopped, every rank gone; the follower ends 'cancelled'",
+    "cancel of a detached run on Ray from another machine; another run's supervisor SIGKILLed",
+    "the cancelled job STOPPED, every rank gone, its follower ends 'stopped'; the other's ranks stop "
+    "with it, its follower and runs() say it was lost",
 )
-def test_cancel_stops_a_ray_job_and_its_ranks(head, tmp_path, submitted):
-    gate = tmp_path / "gate"
-    run_id = _submit(_project(tmp_path), head, "--wait", str(gate), runs=submitted)
+def test_cancel_stops_a_ray_job_and_a_killed_supervisor_takes_its_ranks(head, tmp_path, submitted):
+    project = _project(tmp_path)
+    gates = {"cancelled": tmp_path / "gate-a", "killed": tmp_path / "gate-b"}
+    runs = {how: _submit(project, head, "--wait", str(gate), runs=submitted) for how, gate in gates.items()}
     env = _elsewhere(tmp_path, head)
     follower = subprocess.Popen(
-        [*command(), "attach", run_id], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [*command(), "attach", runs["cancelled"]],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
-    ranks = _wait_for_ranks(gate)
-    cancelled = _air_magic("cancel", run_id, env=env)
-    assert cancelled.returncode == 0, cancelled.stdout + cancelled.stderr
-    assert "cancelled" in cancelled.stdout
-    _wait_gone(ranks)
-    out, err = follower.communicate(timeout=120)
-    assert follower.returncode != 0 and "stopped before it finished" in err, out[-2000:] + err[-2000:]
-    deadline = time.monotonic() + 60  # Ray says STOPPED once the supervisor has ended its run and exited
-    while _job_status(head, run_id) != "STOPPED":
-        assert time.monotonic() < deadline, _job_status(head, run_id)
-        time.sleep(0.5)
-
-
-@fault(
-    "a Ray job's supervisor is killed (SIGKILL)",
-    "its ranks are stopped; attach and runs say the run was lost",
-)
-def test_a_killed_job_supervisor_is_reported_lost_and_its_ranks_stop(head, tmp_path, submitted):
-    gate = tmp_path / "gate"
-    run_id = _submit(_project(tmp_path), head, "--wait", str(gate), runs=submitted)
-    ranks = _wait_for_ranks(gate)
-    # Followed from this process through the Python API (a kernel's way), with the cluster named.
-    handle = air_magic.attach(run_id, display="none", cluster=f"ray={head}")
+    ranks = {how: _wait_for_ranks(gate) for how, gate in gates.items()}
+    # The second followed from this process through the Python API (a kernel's way), the cluster named.
+    handle = air_magic.attach(runs["killed"], display="none", cluster=f"ray={head}")
     assert sorted(handle.rank_pids) == [0, 1] and handle.status == "running"
+
+    cancelled = _air_magic("cancel", runs["cancelled"], env=env)
+    assert cancelled.returncode == 0 and "cancelled" in cancelled.stdout, cancelled.stdout + cancelled.stderr
     (supervisor,) = [
         p
         for p in psutil.process_iter(["cmdline"])
-        if f"--ray-job {run_id}" in " ".join(p.info["cmdline"] or ())
+        if f"--ray-job {runs['killed']}" in " ".join(p.info["cmdline"] or ())
     ]
     supervisor.kill()
-    _wait_gone(ranks, seconds=60)  # its agents went with it (they were the job's actors)
+    _wait_gone(ranks["cancelled"])
+    _wait_gone(ranks["killed"], seconds=60)  # its agents went with it (they were the job's actors)
+    out, err = follower.communicate(timeout=120)
+    assert follower.returncode != 0 and "stopped before it finished" in err, out[-2000:] + err[-2000:]
     with pytest.raises(LaunchError, match="without a result"):
         handle.result(timeout=60)
-    (listed,) = [r for r in air_magic.runs(cluster=f"ray={head}") if r.id == run_id]
-    assert listed.status == "lost"
-    attached = _air_magic("attach", run_id, env=_elsewhere(tmp_path, head))
-    assert attached.returncode != 0 and "without a result" in attached.stderr, attached.stderr[-2000:]
+    deadline = time.monotonic() + 60  # Ray says STOPPED once the supervisor has ended its run and exited
+    while _job_status(head, runs["cancelled"]) != "STOPPED":
+        assert time.monotonic() < deadline, _job_status(head, runs["cancelled"])
+        time.sleep(0.5)
+    listed = {r.id: r.status for r in air_magic.runs(cluster=f"ray={head}")}
+    assert (listed[runs["cancelled"]], listed[runs["killed"]]) == ("cancelled", "lost")
 
 
 def _wait_for_ranks(gate, count: int = 2, seconds: float = 120) -> list[psutil.Process]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -72,8 +71,8 @@ def read_file(client: Any, node_id: str, filename: str) -> bytes | None:
     response = _get(client, "/api/v0/logs/file", params, timeout=REQUEST_TIMEOUT_S)
     if response.status_code != 200:
         return None
-    data: bytes = response.content
-    return data[1:] if data[:1] == b"1" else data  # framing of some Ray versions: b"1" + content
+    data: bytes = response.content  # as written (Ray 2.60 sends a file's bytes unframed)
+    return data
 
 
 def list_files(client: Any, node_id: str, glob: str) -> list[str]:
@@ -99,6 +98,7 @@ def stream_lines(
     params = {"node_id": node_id, "filename": filename, "lines": -1, "media_type": "stream", "interval": 0.1}
     chunks: queue.Queue[bytes | None] = queue.Queue()
     opened: list[Any] = []
+    abandoned = threading.Event()
 
     def read() -> None:  # a thread: the dashboard answers a stream's request only once it has data
         try:
@@ -106,8 +106,10 @@ def stream_lines(
             response = _get(client, "/api/v0/logs/stream", params, stream=True, timeout=quiet)
             opened.append(response)
             try:
-                if response.status_code == 200:
+                if response.status_code == 200 and not abandoned.is_set():
                     for chunk in response.iter_content(chunk_size=None):
+                        if abandoned.is_set():  # its reader left before the answer came
+                            break
                         chunks.put(chunk)
             finally:
                 response.close()
@@ -131,6 +133,7 @@ def stream_lines(
             for line in lines:
                 yield line.decode("utf-8", "replace") + "\n"
     finally:
+        abandoned.set()
         for response in opened:
             _wake(response)
 
@@ -146,12 +149,3 @@ def _wake(response: Any) -> None:
             sock.shutdown(socket.SHUT_RDWR)
     except OSError:
         pass
-
-
-def wait_until(predicate: Any, timeout_s: float, poll_s: float = 0.2) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(poll_s)
-    return True
