@@ -64,7 +64,7 @@ def test_interrupt_mid_run(kernel):
     assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "KeyboardInterrupt"
     assert gone_within(pids)
     assert _run_id_status(run_id) == "KILLED"
-    reply, _ = kernel.run("1 + 1")
+    reply, _ = kernel.run_after_interrupt("1 + 1")
     assert reply["status"] == "ok"
 
 

@@ -102,6 +102,8 @@ def test_the_stop_button_interrupts_the_cell_and_keeps_the_session(tmp_path):
         reply = kernel.kc.get_shell_msg(timeout=60)
         assert reply["parent_header"]["msg_id"] == msg_id
         assert reply["content"]["ename"] == "KeyboardInterrupt"
+        reply, _ = kernel.run_after_interrupt("1 + 1")
+        assert reply["status"] == "ok", reply
         kernel.printed("%%distributed --display none\nimport os\n(kept + 1, os.getpid())")
         values = json.loads(
             kernel.printed("import json, air_magic\nprint(json.dumps(air_magic.last_run().values))")
