@@ -25,6 +25,7 @@ API (docs/ray.md says how to limit that).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import json
 import logging
@@ -45,7 +46,6 @@ from air_magic.errors import ConfigurationError, LaunchError
 from air_magic.launch import result_text
 from air_magic.launch.accelerators import AcceleratorPlan
 from air_magic.launch.request import RunResult, new_run_id
-from air_magic.launch.result_text import RUN_STATUS_OF_EXIT
 from air_magic.launch.settings import LaunchSettings
 from air_magic.protocol import event_log, serialization
 from air_magic.protocol.events import Outcome
@@ -100,7 +100,7 @@ def submit(prepared: Any, on_result: Any = None, consumers: Sequence[Any] = ()) 
     # the caller's active MLflow run only where its store goes with the job.
     raw = {**request.settings_raw, "stop_grace": state["stop_grace"]}
     active = request.active if "MLFLOW_TRACKING_URI" in env else None
-    request = _with(request, state=state, sys_path=[], settings_raw=raw, active=active)
+    request = dataclasses.replace(request, state=state, sys_path=[], settings_raw=raw, active=active)
     # Ray's stop_job: SIGTERM to the supervisor, then SIGKILL after this many seconds (an integer):
     # the ranks' stop grace and the supervisor's own end (the MLflow run, the result) fit in it.
     grace = {"RAY_JOB_STOP_WAIT_TIME_S": str(int(state["stop_grace"]) + STOP_MARGIN_S)}
@@ -148,12 +148,6 @@ def _quiet_uploads() -> Iterator[None]:
 def request_module(run_id: str) -> str:
     """The name the request's folder travels under (a Ray ``py_modules`` entry is importable)."""
     return "air_magic_request_" + run_id.replace("-", "_")
-
-
-def _with(request: Any, **changes: Any) -> Any:
-    import dataclasses
-
-    return dataclasses.replace(request, **changes)
 
 
 def _metadata(state: dict[str, Any]) -> dict[str, str]:
@@ -251,16 +245,8 @@ class JobRun:
     # -- RunPlace
 
     def state(self) -> dict[str, Any]:
-        info = self.info()
-        meta = info.metadata or {}
-        state: dict[str, Any] = {
-            "id": self.id,
-            "name": meta.get(f"{MARK}_name", "?"),
-            "kind": meta.get(f"{MARK}_kind", "function"),
-            "world_size": _int(meta.get(f"{MARK}_world_size")),
-            "stop_grace": float(meta.get(f"{MARK}_stop_grace") or 0.0),
-            "started": (info.start_time or 0) / 1000,
-        }
+        """What the job was submitted as (its metadata), then its state.json once it runs."""
+        state = {"id": self.id, **_submitted(self.info())}
         node = self._node()
         if node is not None:
             data = jobs_api.read_file(self.client, node, self._file(paths.DETACHED_STATE))
@@ -361,23 +347,35 @@ class JobRun:
 
     def as_listed(self) -> detached.DetachedRun:
         info = self.info()
-        meta = info.metadata or {}
+        submitted = _submitted(info)
         status = run_status(info)
         if status == "running":  # its call may have ended while the supervisor still ends its run
             said = self.state().get("status")
-            status = str(said) if said in RUN_STATUS_OF_EXIT.values() else status
+            status = str(said) if said in result_text.RUN_STATUS_OF_EXIT.values() else status
         return detached.DetachedRun(
             id=self.id,
-            name=meta.get(f"{MARK}_name", "?"),
+            name=submitted["name"],
             status=status,
-            world_size=_int(meta.get(f"{MARK}_world_size")),
-            started=(info.start_time or 0) / 1000,
+            world_size=submitted["world_size"],
+            started=submitted["started"],
             log_dir=None,
             folder=f"ray job {self.id}",
             pid=None,
             mlflow=None,
             cluster=self.address,
         )
+
+
+def _submitted(info: Any) -> dict[str, Any]:
+    """The facts :func:`_metadata` put in a job's metadata, and when it started."""
+    meta = info.metadata or {}
+    return {
+        "name": meta.get(f"{MARK}_name", "?"),
+        "kind": meta.get(f"{MARK}_kind", "function"),
+        "world_size": _int(meta.get(f"{MARK}_world_size")),
+        "stop_grace": float(meta.get(f"{MARK}_stop_grace") or 0.0),
+        "started": (info.start_time or 0) / 1000,
+    }
 
 
 def _int(value: Any) -> int:
@@ -407,7 +405,7 @@ def run_status(info: Any) -> str:
     if not getattr(info, "driver_node_id", None) and getattr(info, "driver_exit_code", None) is None:
         return "failed"  # it never ran: its runtime environment, say (Ray's message says why)
     code = getattr(info, "driver_exit_code", None)
-    return RUN_STATUS_OF_EXIT.get(code, "lost") if isinstance(code, int) else "lost"
+    return result_text.RUN_STATUS_OF_EXIT.get(code, "lost") if isinstance(code, int) else "lost"
 
 
 def cluster_address(cluster: str | None = None) -> str | None:
