@@ -37,7 +37,7 @@ from types import FrameType
 from typing import Any
 
 from air_magic import torchrun_flags, verbs
-from air_magic.calls import anywhere, history, ray_jobs
+from air_magic.calls import anywhere, detached, history, ray_jobs
 from air_magic.calls.call import prepare_call, run_call, start_async
 from air_magic.display.json_lines import JsonLines
 from air_magic.display.text import TextDisplay
@@ -82,7 +82,14 @@ def _main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0 if argv else USAGE_ERROR
-    commands = {"runs": _runs, "logs": _logs, "attach": _attach, "cancel": _cancel, "ui": _ui}
+    commands = {
+        "runs": _runs,
+        "logs": _logs,
+        "attach": _attach,
+        "stack": _stack,
+        "cancel": _cancel,
+        "ui": _ui,
+    }
     if argv[0] in commands:
         try:
             return commands[argv[0]](argv[1:])
@@ -475,6 +482,23 @@ def _attach(argv: list[str]) -> int:
         json_out,
     )
     return status
+
+
+def _stack(argv: list[str]) -> int:
+    parser = _verb_parser("stack", "RUN: a detached run's id (or the start of it).")
+    parser.add_argument("words", nargs="*", metavar="[RUN] [RANK]")
+    _add_cluster(parser)
+    args = parser.parse_args(argv)
+    run, rank = verbs.split_run_rank(args.words, "stack")
+    handle = anywhere.attach(run, display="none", cluster=args.cluster)
+    try:
+        if handle.done():
+            print(f"air-magic: run {handle.detached_id} has ended ({handle.status}): no stack to take")
+            return 0
+        print(verbs.stack(handle, rank))
+    finally:
+        detached.stop_following(handle)
+    return 0
 
 
 def _cancel(argv: list[str]) -> int:

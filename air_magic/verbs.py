@@ -44,7 +44,12 @@ VERBS = (
         "the recent calls, newest first: outcome, ranks, time, log folder (detached runs too)",
     ),
     Verb("logs", "[RUN] [RANK]", "a call's log folder, or one rank's log (RUN: an id, or last: the default)"),
-    Verb("stack", "[RANK]", "every thread's stack in each rank of the run going on", cli=False),
+    Verb(
+        "stack",
+        "[RUN] [RANK]",
+        "every thread's stack in each rank of a run going on (default: the newest; a detached run by "
+        "its id, here or on a Ray cluster)",
+    ),
     Verb(
         "attach", "[RUN]", "follow a detached run (default: the newest running): its output so far, then live"
     ),
@@ -128,11 +133,33 @@ def runs(log_root: str | None = None, n: int = 20, cluster: str | None = None) -
 
 def split_logs_args(words: list[str]) -> tuple[str, int | None]:
     """``[RUN] [RANK]``: a bare number is a rank; RUN defaults to 'last'."""
+    run, rank = split_run_rank(words, "logs")
+    return run or "last", rank
+
+
+def split_run_rank(words: list[str], verb: str) -> tuple[str | None, int | None]:
+    """``[RUN] [RANK]`` of ``verb``: a bare number is a rank, anything else a run."""
     runs = [w for w in words if not w.isdigit()]
     ranks = [int(w) for w in words if w.isdigit()]
     if len(runs) > 1 or len(ranks) > 1:
-        raise ConfigurationError(f"logs takes [RUN] [RANK], got {' '.join(words)!r}")
-    return (runs[0] if runs else "last"), (ranks[0] if ranks else None)
+        raise ConfigurationError(f"{verb} takes [RUN] [RANK], got {' '.join(words)!r}")
+    return (runs[0] if runs else None), (ranks[0] if ranks else None)
+
+
+def stack(handle: Any, rank: int | None = None) -> str:
+    """What ``stack [RUN] [RANK]`` shows of the run behind ``handle`` (a RunHandle): every running
+    rank's threads (or rank ``rank``'s), the user's frames first."""
+    from air_magic.calls.background import StackDump
+
+    if rank is not None and not 0 <= rank < handle.world_size:
+        raise ConfigurationError(f"rank {rank} is not in {handle.name} (ranks 0 to {handle.world_size - 1})")
+    dump = handle.stacks()
+    if rank is not None:
+        dump = StackDump({r: t for r, t in dump.items() if r == rank})
+    lines = [f"{handle.name}, {handle.status}:", str(dump)]
+    if handle.log_dir and os.path.isdir(handle.log_dir):  # a run of this machine: the full dumps are kept
+        lines.append(f"(every frame and thread: {os.path.join(handle.log_dir, paths.STACKS_FILE)})")
+    return "\n".join(lines)
 
 
 def logs(

@@ -91,8 +91,10 @@ class RunHandle:
         stacks: Callable[[], dict[int, str]],
         on_result: Callable[[RunResult], Any] | None = None,
         stop_grace: float = 0.0,
+        read_log: Callable[[int], str] | None = None,  # a rank's log, where it is not on this machine
     ) -> None:
         self.name = name
+        self._read_log = read_log
         self._stop_grace = stop_grace  # the ranks' time to end after a stop: cancel() waits it out
         self._stop_said = False  # cancel_all() said it stops this run
         self.world_size = world_size
@@ -183,13 +185,7 @@ class RunHandle:
         """What rank ``rank`` has printed so far (its log file; the last ``lines`` lines if given)."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is not in {self.name} (ranks 0 to {self.world_size - 1})")
-        if self.log_dir is None:
-            return ""
-        try:
-            with open(paths.rank_log(self.log_dir, rank), errors="replace") as f:
-                text = f.read()
-        except FileNotFoundError:
-            return ""
+        text = self._read_log(rank) if self._read_log is not None else read_rank_log(self.log_dir, rank)
         if lines is not None:
             text = "".join(text.splitlines(keepends=True)[-lines:])
         return text
@@ -343,6 +339,17 @@ def running() -> list[RunHandle]:
 
 
 _exit_deadline: float | None = None
+
+
+def read_rank_log(log_dir: str | None, rank: int) -> str:
+    """Rank ``rank``'s log in the call folder ``log_dir`` on this machine ('' while it has none)."""
+    if log_dir is None:
+        return ""
+    try:
+        with open(paths.rank_log(log_dir, rank), errors="replace") as f:
+            return f.read()
+    except FileNotFoundError:
+        return ""
 
 
 def cancel_all(wait_s: float = AT_EXIT_WAIT_S) -> None:

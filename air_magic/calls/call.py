@@ -162,11 +162,6 @@ def prepare_call(
             "kernel or script started in it); ranks start in the caller's folder. Change to one that "
             "exists first (%cd ~ in a notebook, os.chdir(...)); nothing was launched."
         ) from None
-    if background and settings.cluster is not None and not settings.detach:
-        raise ConfigurationError(
-            f"{name}: background runs are on this machine only for now (cluster=None); on a Ray "
-            "cluster call fn.distributed(...), or run it from a terminal with air-magic run"
-        )
     backend = backend if backend is not None else backend_for(settings)
     plan = backend.prepare(settings)
     payload = build_payload(func, bound, settings.max_payload_bytes)

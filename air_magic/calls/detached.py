@@ -38,7 +38,7 @@ from typing import Any, Protocol
 import psutil
 
 from air_magic import paths, private_files
-from air_magic.calls.background import RunHandle, show_displays
+from air_magic.calls.background import RunHandle, read_rank_log, show_displays
 from air_magic.display.widgets import make_consumers
 from air_magic.errors import ConfigurationError, LaunchError
 from air_magic.launch.accelerators import AcceleratorPlan
@@ -346,6 +346,7 @@ class RunPlace(Protocol):
     def lost(self) -> str: ...  # why there is no result
     def cancel(self) -> None: ...
     def stacks(self, pids: dict[int, int], log_dir: str | None) -> dict[int, str]: ...
+    def rank_log(self, rank: int, log_dir: str | None) -> str: ...  # '' while there is none
 
 
 class FolderRun:
@@ -392,6 +393,9 @@ class FolderRun:
     def stacks(self, pids: dict[int, int], log_dir: str | None) -> dict[int, str]:
         return take_stacks(pids, log_dir) if log_dir else {}
 
+    def rank_log(self, rank: int, log_dir: str | None) -> str:
+        return read_rank_log(log_dir, rank)
+
 
 def follow_run(place: RunPlace, displays: list[Any], on_result: Any, more: Sequence[Any] = ()) -> RunHandle:
     """A handle on the run at ``place``, fed by a thread that replays and follows its events."""
@@ -403,6 +407,7 @@ def follow_run(place: RunPlace, displays: list[Any], on_result: Any, more: Seque
         world,
         stop=lambda grace_s=None, signum=None: place.cancel(),  # the supervisor's grace
         stacks=lambda: place.stacks(dict(pids), handle.log_dir),
+        read_log=lambda rank: place.rank_log(rank, handle.log_dir),
         on_result=on_result,
         stop_grace=float(state.get("stop_grace", 0.0)),
     )

@@ -30,6 +30,7 @@ import importlib.util
 import json
 import logging
 import os
+import secrets
 import shlex
 import tempfile
 import threading
@@ -38,7 +39,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from air_magic import paths, private_files
-from air_magic.backends.ray import jobs_api
+from air_magic.backends.ray import job_stacks, jobs_api
 from air_magic.calls import detached
 from air_magic.calls.background import RunHandle
 from air_magic.display.widgets import make_consumers
@@ -55,6 +56,7 @@ JOBS_FOLDER = "jobs"  # <session>/logs/air_magic/jobs/<run>/: a run's state, eve
 ENTRYPOINT_PYTHON = "python3"  # on the cluster: where Ray and air_magic are installed
 STOP_MARGIN_S = 30  # beyond the ranks' stop grace, before Ray kills a cancelled job's supervisor
 UNREACHABLE_S = 30.0  # a follower keeps going this long while the dashboard does not answer
+STACKS_JOB_WAIT_S = 90.0  # the stacks helper job: its start, its driver's, every node's dumps (30 s)
 POLL_S = 0.5  # how often a follower asks the Jobs API whether the job still runs
 _LIVE_JOB = ("PENDING", "RUNNING")
 
@@ -343,7 +345,46 @@ class JobRun:
             self.client.stop_job(self.id)
 
     def stacks(self, pids: dict[int, int], log_dir: str | None) -> dict[int, str]:
-        return {}  # not yet: needs each rank's node (docs/plans/submit-from-anywhere.md)
+        """The ranks' stacks, taken on their nodes by a small helper job (``job_stacks``): a running
+        job has no other way in. Seconds (the helper joins the cluster as a driver)."""
+        if not pids or not self.alive():
+            return {}
+        helper = f"{self.id}-stacks-{secrets.token_hex(3)}"
+        module = job_stacks.__name__
+        self.client.submit_job(
+            entrypoint=f"exec {ENTRYPOINT_PYTHON} -m {module} {shlex.quote(self.id)}",
+            submission_id=helper,
+            metadata={f"{MARK}_helper": "stacks"},  # not a run: runs() lists only MARK's
+        )
+        deadline = time.monotonic() + STACKS_JOB_WAIT_S
+        try:
+            while _status_name(self.client.get_job_info(helper)) in _LIVE_JOB:
+                if time.monotonic() > deadline:
+                    self.client.stop_job(helper)
+                    why = f"the helper job {helper} took over {STACKS_JOB_WAIT_S:g} s"
+                    return {rank: f"(no stack: {why})" for rank in pids}
+                time.sleep(0.2)
+            log = self.client.get_job_logs(helper)
+        finally:
+            with contextlib.suppress(Exception):  # a finished helper leaves no entry in the job list
+                self.client.delete_job(helper)
+        found = job_stacks.parse(log)
+        if found is None:
+            last = "\n".join(log.strip().splitlines()[-5:])
+            return {rank: f"(no stack: the helper job {helper} failed:\n{last})" for rank in pids}
+        return found
+
+    def logs_folder(self) -> str:
+        """The rank logs' folder, relative to the Ray session's logs folder on the job's node."""
+        return f"{jobs_api.LOGS_SUBFOLDER}/{self.id}"
+
+    def rank_log(self, rank: int, log_dir: str | None = None) -> str:
+        """Rank ``rank``'s log, read from the job's node ('' while it has none)."""
+        node = self._node()
+        if node is None:
+            return ""
+        data = jobs_api.read_file(self.client, node, paths.rank_log(self.logs_folder(), rank))
+        return (data or b"").decode("utf-8", "replace")
 
     def as_listed(self) -> detached.DetachedRun:
         info = self.info()
@@ -466,14 +507,13 @@ def rank_log(run: str, rank: int | None, address: str | None, tail: int | None =
     node = place._node()
     if node is None:
         raise ConfigurationError(f"run {place.id} has not started on the cluster yet: no log so far")
-    folder = f"{jobs_api.LOGS_SUBFOLDER}/{place.id}"
     if rank is None:
+        folder = place.logs_folder()
         names = jobs_api.list_files(place.client, node, f"{folder}/*")
         return "\n".join([f"ray job {place.id} ({folder}/ on its node)", *names])
-    data = jobs_api.read_file(place.client, node, paths.rank_log(folder, rank))
-    if data is None:
+    text = place.rank_log(rank)
+    if not text:
         raise ConfigurationError(f"rank {rank} has no log in run {place.id}")
-    text = data.decode("utf-8", "replace")
     if tail is None:
         return text
     return "\n".join(text.splitlines()[-tail:]) + f"\n(full log: air-magic logs {place.id} {rank})"

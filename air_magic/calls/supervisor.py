@@ -92,8 +92,11 @@ def main(argv: list[str]) -> int:
 
 
 def _main_job(run_id: str) -> int:
+    from air_magic.backends.ray import placement
     from air_magic.backends.ray.backend import RayBackend
     from air_magic.calls import ray_jobs
+
+    placement.name_agents(run_id)  # a follower elsewhere asks them for stacks (backends/ray/job_stacks.py)
 
     # ray.init() puts Ray's own SIGTERM handler in place (it logs and exits): a stop that comes
     # meanwhile waits (blocked), then reaches ours, so Ray's stop_job is a cancel here as a local

@@ -318,23 +318,15 @@ def _newest_background() -> background.RunHandle:
 
 
 def _stack(args: list[str]) -> Any:
-    handle = _newest_background()
-    if handle.status == "starting":
-        print(_starting() or f"air_magic: {handle.name} is starting")
-        return None
-    dump = handle.stacks()
-    if args:
-        try:
-            rank = int(args[0])
-        except ValueError:
-            raise UsageError("%distributed stack takes a rank number") from None
-        if not 0 <= rank < handle.world_size:
-            raise UsageError(f"rank {rank} is not in {handle.name} (ranks 0 to {handle.world_size - 1})")
-        dump = background.StackDump({r: t for r, t in dump.items() if r == rank})
-    print(f"{handle.name}, {handle.status}:")
-    print(dump)
-    if handle.log_dir:
-        print(f"(every frame and thread: {handle.log_dir}/stacks.txt)")
+    try:
+        run, rank = verbs.split_run_rank(args, "%distributed stack")
+        handle = anywhere.attach(run, display="none") if run is not None else _newest_background()
+        if handle.status == "starting":
+            print(_starting() or f"air_magic: {handle.name} is starting")
+            return None
+        print(verbs.stack(handle, rank))
+    except ConfigurationError as exc:
+        raise UsageError(str(exc)) from None
     return None
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from helpers.cli import invoke
 from helpers.paths import HELPERS
 from helpers.procs import gone_within
 from helpers.ranks import mlflow_status
@@ -121,6 +122,9 @@ def test_cancelling_an_attached_run_stops_it(store, tmp_path):
     pids = list(handle.rank_pids.values())
     dump = handle.stacks()  # taken from this process: the ranks are not its children
     assert all("waits" in dump[rank] for rank in (0, 1)), dump
+    shown = invoke("stack", run_id, "1")  # the command line's way: rank 1 only
+    assert shown.returncode == 0 and "  rank 1:" in shown.stdout and "waits" in shown.stdout, shown
+    assert "  rank 0:" not in shown.stdout
     assert handle.cancel() is True
     assert gone_within(pids)
     assert handle.status == "cancelled" and _status(run_id) == "cancelled"

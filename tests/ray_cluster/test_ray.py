@@ -552,3 +552,28 @@ def test_a_persistent_session_on_ray_keeps_each_ranks_state_across_nodes(cluster
     finally:
         session.stop(quiet=True)
     assert persistent.active() is None
+
+
+def test_a_background_run_on_ray_answers_like_a_local_one(cluster, tmp_path):
+    """``distributed_async`` with ``cluster="ray"`` (issue 35): the handle's status, logs, stacks
+    and cancel; a second call meanwhile is refused clearly; then one that returns its values."""
+    import air_magic
+    from air_magic.errors import LaunchError
+
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    on_ray = air_magic.distributed(num_accelerators=3, cluster="ray", display="none", tracking=False)
+    handle = on_ray(sleeps).distributed_async(str(ready))
+    _wait_ready(ready, 3)
+    _remember_agents()
+    assert handle.status == "running" and sorted(handle.rank_pids) == [0, 1, 2]
+    dump = handle.stacks()
+    assert sorted(dump) == [0, 1, 2] and all("sleeps" in dump[rank] for rank in dump), dump
+    with pytest.raises(LaunchError, match="one call at a time"):
+        call(where_am_i)
+    pids = list(handle.rank_pids.values())
+    assert handle.cancel() is True and handle.status == "cancelled"
+    assert all(not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie" for pid in pids)
+    again = on_ray(same_lines).distributed_async()
+    assert again.result(timeout=120) == [True, True, True]
+    assert again.logs(2).count("epoch 1 loss 0.25") == 5

@@ -30,6 +30,7 @@ pytestmark = [skip_unless_installed("ray", "aiohttp_cors"), pytest.mark.timeout(
 fault = pytest.mark.fault
 
 HEAD_START_S = 90
+CLIENT_ADDRESS: list[str] = []  # the head's Ray Client address (ray://), once it runs
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +38,8 @@ def head():
     """The dashboard's address of a loopback Ray head of 8 CPUs, stopped (every process of it) after."""
     temp = tempfile.mkdtemp(prefix="rh", dir="/tmp")  # short: Ray's socket paths live under it
     bin_dir = os.path.dirname(sys.executable)
+    client_port = _free_port()
+    CLIENT_ADDRESS[:] = [f"ray://127.0.0.1:{client_port}"]
     env = {
         **os.environ,
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # every listener on 127.0.0.1 (NOTES.md)
@@ -55,7 +58,7 @@ def head():
             "--dashboard-host=127.0.0.1",
             "--dashboard-port=0",
             "--dashboard-agent-listen-port=0",
-            f"--ray-client-server-port={_free_port()}",  # unused, and 10001 by default: two heads collide
+            f"--ray-client-server-port={client_port}",  # 10001 by default: two heads would collide
             "--disable-usage-stats",
             f"--temp-dir={temp}",
             "--num-cpus=8",
@@ -83,7 +86,7 @@ def head():
 
 def _free_port() -> int:
     """A port free now on 127.0.0.1 (Ray cannot be told to leave its client server out or let the
-    kernel choose its port; nothing here uses it)."""
+    kernel choose its port)."""
     import socket
 
     with socket.socket() as sock:
@@ -254,17 +257,26 @@ def test_cancel_stops_a_ray_job_and_a_killed_supervisor_takes_its_ranks(head, tm
     gates = {"cancelled": tmp_path / "gate-a", "killed": tmp_path / "gate-b"}
     runs = {how: _submit(project, head, "--wait", str(gate), runs=submitted) for how, gate in gates.items()}
     env = _elsewhere(tmp_path, head)
-    follower = subprocess.Popen(
-        [*command(), "attach", runs["cancelled"]],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    followers = [  # two at once, each with the whole story
+        subprocess.Popen(
+            [*command(), "attach", runs["cancelled"]],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
     ranks = {how: _wait_for_ranks(gate) for how, gate in gates.items()}
     # The second followed from this process through the Python API (a kernel's way), the cluster named.
     handle = air_magic.attach(runs["killed"], display="none", cluster=f"ray={head}")
     assert sorted(handle.rank_pids) == [0, 1] and handle.status == "running"
+    assert "rank 1 waits" in handle.logs(1)  # read from the job's node
+    dump = handle.stacks()  # taken on the ranks' node by a helper job
+    assert sorted(dump) == [0, 1] and all("train.py" in dump[rank] for rank in (0, 1)), dump
+    shown = _air_magic("stack", runs["cancelled"], "0", env=env)
+    assert shown.returncode == 0 and "  rank 0:" in shown.stdout and "train.py" in shown.stdout, shown
+    assert "  rank 1:" not in shown.stdout
 
     cancelled = _air_magic("cancel", runs["cancelled"], env=env)
     assert cancelled.returncode == 0 and "cancelled" in cancelled.stdout, cancelled.stdout + cancelled.stderr
@@ -276,8 +288,10 @@ def test_cancel_stops_a_ray_job_and_a_killed_supervisor_takes_its_ranks(head, tm
     supervisor.kill()
     _wait_gone(ranks["cancelled"])
     _wait_gone(ranks["killed"], seconds=60)  # its agents went with it (they were the job's actors)
-    out, err = follower.communicate(timeout=120)
-    assert follower.returncode != 0 and "stopped before it finished" in err, out[-2000:] + err[-2000:]
+    for follower in followers:
+        out, err = follower.communicate(timeout=120)
+        assert follower.returncode != 0 and "stopped before it finished" in err, out[-2000:] + err[-2000:]
+        assert "rank 0 of 2 says 0" in out and "rank 1 waits" in out, out[-2000:]
     with pytest.raises(LaunchError, match="without a result"):
         handle.result(timeout=60)
     deadline = time.monotonic() + 60  # Ray says STOPPED once the supervisor has ended its run and exited
@@ -301,3 +315,83 @@ def _wait_for_ranks(gate, count: int = 2, seconds: float = 120) -> list[psutil.P
 def _wait_gone(procs: list[psutil.Process], seconds: float = 30) -> None:
     _, alive = psutil.wait_procs(procs, timeout=seconds)
     assert not alive, f"ranks still alive: {alive}"
+
+
+@fault(
+    "cancel of a detached run on Ray at once, while its job is still starting (PENDING)",
+    "the run ends cancelled, nothing of it runs on; the job STOPPED, runs() says cancelled",
+)
+def test_a_cancel_while_the_job_is_starting_ends_it_cancelled(head, submitted):
+    sleeps = air_magic.distributed(
+        num_accelerators=2, display="none", tracking=False, detach=True, cluster=f"ray={head}"
+    )(lambda: __import__("time").sleep(600))
+    handle = sleeps.distributed_async()  # back once Ray accepted the job
+    submitted.append(handle.detached_id)
+    when = _job_status(head, handle.detached_id)
+    assert handle.cancel() is True, handle.status
+    print(f"cancelled while {when}")
+    assert handle.status == "cancelled"
+    with pytest.raises(LaunchError, match=r"cancelled before its ranks started|stopped before it finished"):
+        handle.result()
+    deadline = time.monotonic() + 60
+    while _job_status(head, handle.detached_id) != "STOPPED":
+        assert time.monotonic() < deadline, _job_status(head, handle.detached_id)
+        time.sleep(0.5)
+    listed = {r.id: r.status for r in air_magic.runs(cluster=f"ray={head}")}
+    assert listed[handle.detached_id] == "cancelled"
+
+
+RAY_CLIENT_SCRIPT = """
+import os, sys
+import air_magic
+from air_magic.errors import ConfigurationError
+
+address = sys.argv[1]
+air_magic.ray_init(address)
+
+@air_magic.distributed(num_accelerators=2, cluster="ray=" + address, display="text", tracking=False)
+def breaks():
+    if os.environ["RANK"] == "1":
+        raise ValueError("rank 1 broke over Ray Client")
+    import time
+    time.sleep(30)
+
+try:
+    breaks.distributed()
+except ValueError as exc:
+    print("raised:", exc)
+
+@air_magic.ray_launch(num_accelerators=1, display="text", tracking=False)
+def driver():
+    import ray
+    ray.init()
+    print("driver joined", os.environ["RAY_ADDRESS"], flush=True)
+    return ray.cluster_resources()["CPU"]
+
+print("driver returned", driver.distributed())
+for detached in ({"cluster": "ray=" + address}, {"cluster": "ray"}):
+    try:
+        air_magic.distributed(num_accelerators=2, detach=True, **detached)(len).distributed_async([])
+    except ConfigurationError as exc:
+        print("refused:", exc)
+"""
+
+
+def test_ray_client_addresses_work_for_calls_and_ray_launch_and_are_refused_for_jobs(head, tmp_path):
+    """ray:// (item 4): ray_init, a call (a failing rank's own traceback) and a ray_launch driver
+    (which joins through the same ray:// address) work; a detached run asks for the dashboard's."""
+    (address,) = CLIENT_ADDRESS
+    script = tmp_path / "client.py"
+    script.write_text(RAY_CLIENT_SCRIPT)
+    env = environment()
+    env.update(RAY_ADDRESS=address, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+    done = subprocess.run(
+        [sys.executable, str(script), address], env=env, capture_output=True, text=True, timeout=240
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-4000:]
+    assert f"connected to Ray at {address}" in out
+    assert "raised: rank 1 broke over Ray Client" in out and "line 12, in breaks" in out, out[-4000:]
+    assert f"driver joined {address}" in out and "driver returned [8.0]" in out, out[-4000:]
+    refusals = [line for line in out.splitlines() if line.startswith("refused:")]
+    assert len(refusals) == 2 and all("dashboard address" in line for line in refusals), out[-3000:]

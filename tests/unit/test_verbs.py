@@ -10,7 +10,7 @@ from air_magic.errors import ConfigurationError
 
 def test_both_surfaces_list_the_shared_verbs_and_only_their_own():
     cli, magic = verbs.help_text("cli"), verbs.help_text("magic")
-    for shared in ("runs", "logs", "attach", "cancel", "ui"):
+    for shared in ("runs", "logs", "attach", "stack", "cancel", "ui"):
         assert f"air-magic {shared}" in cli and f"%distributed {shared}" in magic
     assert "air-magic status" not in cli and "%distributed run " not in magic
     assert "%%distributed [options]" in magic

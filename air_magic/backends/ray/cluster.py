@@ -77,6 +77,7 @@ class ClusterInfo:
 
 
 _started_here = False
+_client_address: str | None = None  # the ray:// address ray_init connected through (Ray Client)
 
 
 def ray_init(address: str | None = None, **ray_init_kwargs: Any) -> ClusterInfo:
@@ -88,7 +89,7 @@ def ray_init(address: str | None = None, **ray_init_kwargs: Any) -> ClusterInfo:
     unless ``include_dashboard=True``). Other keywords go to ``ray.init``.
     Calling it again returns the existing connection.
     """
-    global _started_here
+    global _started_here, _client_address
     imported_before = "ray" in sys.modules
     address = address or os.environ.get(env_names.RAY_ADDRESS) or None
     if address is None and not (imported_before and sys.modules["ray"].is_initialized()):
@@ -103,10 +104,13 @@ def ray_init(address: str | None = None, **ray_init_kwargs: Any) -> ClusterInfo:
             # "local": a new Ray of our own. Without it, ray.init joins whatever cluster
             # /tmp/ray/ray_current_cluster names (any `ray start --head` on this machine).
             kwargs.update(address="local", include_dashboard=False, _node_ip_address="127.0.0.1")
-            _started_here = True
+            _started_here, _client_address = True, None
         else:
             kwargs["address"] = address
             _started_here = False
+            # Ray Client: the cluster's GCS address (what the runtime context says) is often not
+            # reachable from here; this is the address a driver ray_launch starts must use too.
+            _client_address = address if address.startswith("ray://") else None
         kwargs.update(ray_init_kwargs)
         ray.init(**kwargs)
     info = cluster_info()
@@ -116,14 +120,22 @@ def ray_init(address: str | None = None, **ray_init_kwargs: Any) -> ClusterInfo:
 
 def check_address(address: str) -> None:
     """Refuse a call for cluster ``address`` while this process is connected to another one."""
-    ray = require_ray()
-    current = getattr(ray.get_runtime_context(), "gcs_address", None) or ""
+    current = connected_address()
     if _host_port(address) not in (_host_port(current), "auto"):
         raise ConfigurationError(
             f"cluster='ray={address}' was asked for, but this process is connected to the Ray cluster at "
             f"{current} (one cluster per process, Ray's rule). ray.shutdown() first, or leave the "
             "address out."
         )
+
+
+def connected_address() -> str:
+    """The address of the cluster this process is connected to, as a new driver must be given it:
+    the ``ray://`` one for a Ray Client connection of :func:`ray_init`, else the GCS's."""
+    ray = require_ray()
+    if _client_address is not None and ray.is_initialized():
+        return _client_address
+    return getattr(ray.get_runtime_context(), "gcs_address", None) or ""
 
 
 def _host_port(address: str) -> str:
@@ -141,8 +153,7 @@ def connect() -> Any:
 
 def cluster_info() -> ClusterInfo:
     ray = require_ray()
-    context = ray.get_runtime_context()
-    gcs = getattr(context, "gcs_address", None) or ""
+    gcs = connected_address()
     alive = [n for n in ray.nodes() if n.get("Alive")]
     dashboard = getattr(getattr(ray, "_private", None), "worker", None)
     url = None

@@ -11,6 +11,8 @@ Ray session's ``logs`` folder there (``air_magic/...``) is readable here.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import queue
 import threading
 from collections.abc import Iterator
@@ -28,17 +30,27 @@ def client_for(address: str | None) -> Any:
     """Ray's ``JobSubmissionClient`` for the cluster at ``address`` (the dashboard's ``http://``
     address, or ``$RAY_ADDRESS``); a clear error when it cannot be reached."""
     cluster.require_ray()
-    if address and address.startswith("ray://"):
+    # Ray's client takes $RAY_API_SERVER_ADDRESS, then $RAY_ADDRESS, over the address it is given:
+    # an address given here wins (RAY_ADDRESS may be set for ray_init: host:6379, ray://).
+    overrides = ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS")
+    used = address or next((os.environ[name] for name in overrides if os.environ.get(name)), None)
+    if used and used.startswith("ray://"):
+        # Ray would connect as a Ray Client to ask the cluster for its dashboard's address, which is
+        # often one only the cluster's own machines reach.
         raise ConfigurationError(
-            f"cluster='ray={address}': a Ray Client address cannot submit or follow a detached run; "
-            "give the cluster's dashboard address instead (http://HEAD:8265, what `ray job submit` uses)"
+            f"{used}: a Ray Client address cannot submit or follow a detached run; give the cluster's "
+            "dashboard address instead (cluster='ray=http://HEAD:8265', --cluster ray=http://HEAD:8265: "
+            "what `ray job submit` uses). Calls in the foreground or background take ray:// addresses."
         )
     try:
         from ray.job_submission import JobSubmissionClient
     except ImportError as exc:
         raise ImportError(f"a detached run on Ray needs Ray's Jobs API: {JOBS_HINT}") from exc
     try:
-        return JobSubmissionClient(address or None)
+        if not address:
+            return JobSubmissionClient(None)
+        with _environment_without(overrides):
+            return JobSubmissionClient(address)
     except ConnectionError as exc:
         where = address or "$RAY_ADDRESS"
         raise LaunchError(f"could not reach the Ray cluster's dashboard at {where}: {exc}") from None
@@ -47,6 +59,16 @@ def client_for(address: str | None) -> Any:
             f"which Ray cluster? {exc}. Give cluster='ray=http://HEAD:8265' (its dashboard) "
             "or set RAY_ADDRESS"
         ) from None
+
+
+@contextlib.contextmanager
+def _environment_without(names: tuple[str, ...]) -> Iterator[None]:
+    """``names`` out of the environment while Ray's client reads it (its constructor only)."""
+    saved = {name: os.environ.pop(name) for name in names if name in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
 
 
 def _get(client: Any, endpoint: str, params: dict[str, Any], **kwargs: Any) -> Any:

@@ -37,6 +37,8 @@ AGENT_STALL_S = 60.0
 AGENT_START_PER_NODE_S = 3.0
 AGENT_FIRST_EXTRA_MAX_S = 240.0
 AGENT_CONCURRENCY = 8  # poll, stop, start... of one call at once: never a queue behind a long poll
+AGENT_NAMESPACE = "air_magic"  # where a Ray job's agents are named (agent_name)
+_named_for: str | None = None  # the Ray job whose agents get names (name_agents)
 
 
 @dataclass(frozen=True)
@@ -197,6 +199,8 @@ class Pool:
                     "max_concurrency": AGENT_CONCURRENCY,
                     "max_restarts": 0,
                 }
+                if _named_for is not None:
+                    options.update(name=agent_name(_named_for, index), namespace=AGENT_NAMESPACE)
                 if shape.unit == "GPU":
                     options.update(num_gpus=count, num_cpus=0)
                 else:
@@ -271,6 +275,28 @@ def _free(ray: Any) -> str:
 
 _lock = threading.Lock()
 _pool: Pool | None = None
+
+
+def name_agents(run_id: str) -> None:
+    """Name the agents of this process's pools after Ray job ``run_id`` (its supervisor calls this):
+    another driver of the cluster -- ``job_stacks``, for a follower on another machine -- can then
+    find them with :func:`named_agents`. Only for a job: it has one call, so the names never clash."""
+    global _named_for
+    _named_for = run_id
+
+
+def agent_name(run_id: str, index: int) -> str:
+    return f"air_magic-{run_id}-agent-{index}"
+
+
+def named_agents(ray: Any, run_id: str) -> list[Any]:
+    """The agents of Ray job ``run_id``'s call, node by node (none once it has ended)."""
+    found: list[Any] = []
+    while True:
+        try:
+            found.append(ray.get_actor(agent_name(run_id, len(found)), namespace=AGENT_NAMESPACE))
+        except ValueError:  # no actor of that name: past the last node
+            return found
 
 
 def pool_for(n: int | None, spec: AcceleratorSpec | None) -> Pool:

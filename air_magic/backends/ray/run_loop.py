@@ -291,16 +291,20 @@ class RayCall(CallLoop):
 
     def stacks(self) -> dict[int, str]:
         """Every running rank's thread stacks, each node's agent taking its own (from any thread)."""
-        found: dict[int, str] = {}
-        try:
-            parts = self.ray.get(
-                [agent.stacks.remote(self.run_id) for agent in self.agents], timeout=STACKS_WAIT_S
-            )
-        except Exception:  # noqa: BLE001 - stacks are a help; a node that cannot answer gives none
-            return found
-        for part in parts:
-            found.update(part)
+        return agents_stacks(self.ray, self.agents, self.run_id)
+
+
+def agents_stacks(ray: Any, agents: list[Any], run_id: str) -> dict[int, str]:
+    """The thread stacks of call ``run_id``'s running ranks, each node's agent taking its own: for
+    the caller, and for ``job_stacks`` (another driver of the cluster, asking a Ray job's agents)."""
+    found: dict[int, str] = {}
+    try:
+        parts = ray.get([agent.stacks.remote(run_id) for agent in agents], timeout=STACKS_WAIT_S)
+    except Exception:  # noqa: BLE001 - stacks are a help; a node that cannot answer gives none
         return found
+    for part in parts:
+        found.update(part)
+    return found
 
 
 class _RayCells:
