@@ -24,13 +24,13 @@ from helpers.cli import command, environment
 from helpers.modules import skip_unless_installed
 
 import air_magic
-from air_magic.errors import LaunchError
+from air_magic.errors import LaunchError, RankFailedError
 
 pytestmark = [skip_unless_installed("ray", "aiohttp_cors"), pytest.mark.timeout(300)]
 fault = pytest.mark.fault
 
 HEAD_START_S = 90
-CLIENT_ADDRESS: list[str] = []  # the head's Ray Client address (ray://), once it runs
+HEAD: dict[str, str] = {}  # the running head's Ray Client address ("client": ray://...) and "temp" folder
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def head():
     temp = tempfile.mkdtemp(prefix="rh", dir="/tmp")  # short: Ray's socket paths live under it
     bin_dir = os.path.dirname(sys.executable)
     client_port = _free_port()
-    CLIENT_ADDRESS[:] = [f"ray://127.0.0.1:{client_port}"]
+    HEAD.update(client=f"ray://127.0.0.1:{client_port}", temp=temp)
     env = {
         **os.environ,
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # every listener on 127.0.0.1 (NOTES.md)
@@ -380,7 +380,7 @@ for detached in ({"cluster": "ray=" + address}, {"cluster": "ray"}):
 def test_ray_client_addresses_work_for_calls_and_ray_launch_and_are_refused_for_jobs(head, tmp_path):
     """ray:// (item 4): ray_init, a call (a failing rank's own traceback) and a ray_launch driver
     (which joins through the same ray:// address) work; a detached run asks for the dashboard's."""
-    (address,) = CLIENT_ADDRESS
+    address = HEAD["client"]
     script = tmp_path / "client.py"
     script.write_text(RAY_CLIENT_SCRIPT)
     env = environment()
@@ -395,3 +395,59 @@ def test_ray_client_addresses_work_for_calls_and_ray_launch_and_are_refused_for_
     assert f"driver joined {address}" in out and "driver returned [8.0]" in out, out[-4000:]
     refusals = [line for line in out.splitlines() if line.startswith("refused:")]
     assert len(refusals) == 2 and all("dashboard address" in line for line in refusals), out[-3000:]
+
+
+@fault(
+    "a node of a detached run on Ray is lost mid-run (its processes SIGKILLed)",
+    "the job's call fails naming the lost node; the follower elsewhere gets that error; its ranks are gone",
+)
+def test_a_node_lost_under_a_ray_job_fails_its_run_naming_the_node(head, tmp_path, submitted):
+    """Last in this module: the worker node it adds (two fake GPUs, so the run's two ranks go there)
+    is gone at its end."""
+    (port_file,) = Path(HEAD["temp"], "session_latest").glob("gcs_server_port_*")  # the head's GCS
+    gcs = f"127.0.0.1:{port_file.read_text().strip()}"
+    node = subprocess.Popen(
+        [sys.executable, str(Path(__file__).parents[1] / "helpers" / "ray_worker_node.py"), gcs, "2", "2"],
+        env=environment(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        said = [node.stdout.readline()]  # Ray's own lines first; it ends if the node cannot join
+        while said[-1] and not said[-1].startswith("ready"):
+            said.append(node.stdout.readline())
+        assert said[-1].startswith("ready"), "".join(said[-30:])
+        node_id = said[-1].split()[1]
+        gate = tmp_path / "gate"
+
+        def waits_at(gate):  # defined here: pickled by value (the cluster cannot import this module)
+            import os
+            import time
+
+            with open(f"{gate}.{os.environ['RANK']}.pid", "w") as f:
+                f.write(str(os.getpid()))
+            while not os.path.exists(gate):
+                time.sleep(0.1)
+
+        waits = air_magic.distributed(
+            num_accelerators=2, display="none", tracking=False, detach=True, cluster=f"ray={head}"
+        )(waits_at)
+        handle = waits.distributed_async(str(gate))  # a function: no working folder (see below)
+        submitted.append(handle.detached_id)
+        ranks = _wait_for_ranks(gate)
+        assert handle.status == "running"
+    finally:
+        # Both nodes share this machine and the head's session folder, so a script's working folder
+        # would be unpacked there twice (Ray then removes the job's current folder): one reason this
+        # run is a function. The node's processes all die at once, as with a lost machine.
+        os.killpg(node.pid, signal.SIGKILL)
+        node.wait()
+    with pytest.raises(RankFailedError, match="was lost during the call") as caught:
+        handle.result(timeout=120)
+    print(caught.value)
+    assert node_id[:8] in str(caught.value) or "127.0.0.1" in str(caught.value), caught.value
+    _wait_gone(ranks)
+    listed = {r.id: r.status for r in air_magic.runs(cluster=f"ray={head}")}
+    assert listed[handle.detached_id] == "failed"
