@@ -32,6 +32,7 @@ import logging
 import os
 import secrets
 import shlex
+import sys
 import tempfile
 import threading
 import time
@@ -39,6 +40,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from air_magic import paths, private_files
+from air_magic._version import __version__
 from air_magic.backends.ray import job_stacks, jobs_api
 from air_magic.calls import detached
 from air_magic.calls.background import RunHandle
@@ -48,12 +50,12 @@ from air_magic.launch import result_text
 from air_magic.launch.accelerators import AcceleratorPlan
 from air_magic.launch.request import RunResult, new_run_id
 from air_magic.launch.settings import LaunchSettings
-from air_magic.protocol import event_log, serialization
+from air_magic.protocol import env_names, event_log, serialization
 from air_magic.protocol.events import Outcome
 
 MARK = "air_magic"  # the jobs' metadata key that tells air_magic's runs from other Ray jobs
 JOBS_FOLDER = "jobs"  # <session>/logs/air_magic/jobs/<run>/: a run's state, events and result
-ENTRYPOINT_PYTHON = "python3"  # on the cluster: where Ray and air_magic are installed
+ENTRYPOINT_PYTHON = "python3"  # the cluster's, with Ray and air_magic (else AIR_MAGIC_RAY_JOB_PYTHON)
 STOP_MARGIN_S = 30  # beyond the ranks' stop grace, before Ray kills a cancelled job's supervisor
 UNREACHABLE_S = 30.0  # a follower keeps going this long while the dashboard does not answer
 STACKS_JOB_WAIT_S = 90.0  # the stacks helper job: its start, its driver's, every node's dumps (30 s)
@@ -106,7 +108,8 @@ def submit(prepared: Any, on_result: Any = None, consumers: Sequence[Any] = ()) 
     # Ray's stop_job: SIGTERM to the supervisor, then SIGKILL after this many seconds (an integer):
     # the ranks' stop grace and the supervisor's own end (the MLflow run, the result) fit in it.
     grace = {"RAY_JOB_STOP_WAIT_TIME_S": str(int(state["stop_grace"]) + STOP_MARGIN_S)}
-    runtime_env: dict[str, Any] = {"env_vars": {**env, **grace}}
+    version = {env_names.SUBMITTED_WITH: __version__}  # the request is a pickle of this version's classes
+    runtime_env: dict[str, Any] = {"env_vars": {**env, **grace, **version}}
     if prepared.kind in ("script", "module", "program"):
         runtime_env["working_dir"] = os.getcwd()  # the code beside it travels (Ray's rules: .gitignore...)
     try:
@@ -117,9 +120,7 @@ def submit(prepared: Any, on_result: Any = None, consumers: Sequence[Any] = ()) 
                 f.write(serialization.dumps(request))
             runtime_env["py_modules"] = [carried]
             # exec: the supervisor is the process Ray watches and stops, not a shell above it.
-            entrypoint = (
-                f"exec {ENTRYPOINT_PYTHON} -m air_magic.calls.supervisor --ray-job {shlex.quote(run_id)}"
-            )
+            entrypoint = f"exec {job_python()} -m air_magic.calls.supervisor --ray-job {shlex.quote(run_id)}"
             client.submit_job(
                 entrypoint=entrypoint,
                 submission_id=run_id,
@@ -145,6 +146,11 @@ def _quiet_uploads() -> Iterator[None]:
     finally:
         for logger, level in zip(loggers, levels, strict=True):
             logger.setLevel(level)
+
+
+def job_python() -> str:
+    """The command that runs Python on the cluster, for a job's entrypoint (a shell word or path)."""
+    return shlex.quote(os.environ.get(env_names.RAY_JOB_PYTHON) or ENTRYPOINT_PYTHON)
 
 
 def request_module(run_id: str) -> str:
@@ -192,7 +198,14 @@ def job_folders(run_id: str) -> tuple[str, str]:
 
 
 def take_request(run_id: str) -> detached.DetachedRequest:
-    """The request that came with the job (its ``py_modules`` folder)."""
+    """The request that came with the job (its ``py_modules`` folder), if this air_magic can read it."""
+    submitted_with = os.environ.get(env_names.SUBMITTED_WITH)
+    if submitted_with is not None and submitted_with != __version__:
+        raise ConfigurationError(
+            f"run {run_id} was submitted with air_magic {submitted_with}, but the cluster's Python "
+            f"({sys.executable}) has air_magic {__version__}: install the same version on the cluster's "
+            f"nodes (or point {env_names.RAY_JOB_PYTHON} at a Python that has it), then submit again"
+        )
     spec = importlib.util.find_spec(request_module(run_id))
     if spec is None or not spec.submodule_search_locations:
         raise LaunchError(f"the request of run {run_id} did not come with its job (py_modules)")
@@ -352,7 +365,7 @@ class JobRun:
         helper = f"{self.id}-stacks-{secrets.token_hex(3)}"
         module = job_stacks.__name__
         self.client.submit_job(
-            entrypoint=f"exec {ENTRYPOINT_PYTHON} -m {module} {shlex.quote(self.id)}",
+            entrypoint=f"exec {job_python()} -m {module} {shlex.quote(self.id)}",
             submission_id=helper,
             metadata={f"{MARK}_helper": "stacks"},  # not a run: runs() lists only MARK's
         )

@@ -68,11 +68,6 @@ def test_detach_with_a_ray_cluster_is_submitted_as_a_job():
     assert isinstance(backend, ray_jobs.JobSubmitter) and backend.address == "http://127.0.0.1:8265"
 
 
-def test_a_ray_client_address_is_refused_with_what_to_use_instead():
-    with pytest.raises(ConfigurationError, match=r"dashboard address instead \(http://HEAD:8265"):
-        jobs_api.client_for("ray://127.0.0.1:10001")
-
-
 def test_which_cluster_a_follower_asks(monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     assert ray_jobs.cluster_address(None) is None  # this machine's runs only
@@ -83,3 +78,31 @@ def test_which_cluster_a_follower_asks(monkeypatch):
     assert ray_jobs.cluster_address(None) == ray_jobs.cluster_address("ray") == "http://env:8265"
     with pytest.raises(ConfigurationError, match="--cluster must be ray"):
         ray_jobs.cluster_address("k8s")
+
+
+def test_a_job_submitted_with_another_air_magic_fails_before_unpickling_naming_both(monkeypatch):
+    from air_magic._version import __version__
+
+    monkeypatch.setenv("AIR_MAGIC_SUBMITTED_WITH", "0.0.1")
+    with pytest.raises(
+        ConfigurationError, match=rf"submitted with air_magic 0\.0\.1.*has air_magic {__version__}"
+    ):
+        ray_jobs.take_request("20261205-000000-abcdef")
+
+
+def test_the_jobs_python_is_python3_unless_told(monkeypatch):
+    monkeypatch.delenv("AIR_MAGIC_RAY_JOB_PYTHON", raising=False)
+    assert ray_jobs.job_python() == "python3"
+    monkeypatch.setenv("AIR_MAGIC_RAY_JOB_PYTHON", "/opt/conda envs/bin/python")
+    assert ray_jobs.job_python() == "'/opt/conda envs/bin/python'"
+
+
+def test_ray_client_addresses_are_refused_for_jobs_from_the_argument_or_the_environment(monkeypatch):
+    monkeypatch.delenv("RAY_API_SERVER_ADDRESS", raising=False)
+    for given, env in (("ray://head:10001", None), (None, "ray://head:10001")):
+        if env is not None:
+            monkeypatch.setenv("RAY_ADDRESS", env)
+        with pytest.raises(
+            ConfigurationError, match=r"dashboard address instead \(cluster='ray=http://HEAD:8265'"
+        ):
+            jobs_api.client_for(given)
