@@ -37,7 +37,7 @@ from types import FrameType
 from typing import Any
 
 from air_magic import torchrun_flags, verbs
-from air_magic.calls import anywhere, detached, history, ray_jobs
+from air_magic.calls import anywhere, history, ray_jobs
 from air_magic.calls.call import prepare_call, run_call, start_async
 from air_magic.display.json_lines import JsonLines
 from air_magic.display.text import TextDisplay
@@ -490,14 +490,7 @@ def _stack(argv: list[str]) -> int:
     _add_cluster(parser)
     args = parser.parse_args(argv)
     run, rank = verbs.split_run_rank(args.words, "stack")
-    handle = anywhere.attach(run, display="none", cluster=args.cluster)
-    try:
-        if handle.done():
-            print(f"air-magic: run {handle.detached_id} has ended ({handle.status}): no stack to take")
-            return 0
-        print(verbs.stack(handle, rank))
-    finally:
-        detached.stop_following(handle)
+    print(verbs.stack_of_run(run, rank, cluster=args.cluster))
     return 0
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from air_magic import paths
-from air_magic.calls import detached, history, ray_jobs
+from air_magic.calls import anywhere, detached, history, ray_jobs
 from air_magic.errors import ConfigurationError
 
 
@@ -153,6 +153,10 @@ def stack(handle: Any, rank: int | None = None) -> str:
 
     if rank is not None and not 0 <= rank < handle.world_size:
         raise ConfigurationError(f"rank {rank} is not in {handle.name} (ranks 0 to {handle.world_size - 1})")
+    if handle.status == "starting":
+        return starting_line(handle)
+    if handle.done():
+        return f"{handle.name} has ended ({handle.status}): no stack to take"
     dump = handle.stacks()
     if rank is not None:
         dump = StackDump({r: t for r, t in dump.items() if r == rank})
@@ -160,6 +164,24 @@ def stack(handle: Any, rank: int | None = None) -> str:
     if handle.log_dir and os.path.isdir(handle.log_dir):  # a run of this machine: the full dumps are kept
         lines.append(f"(every frame and thread: {os.path.join(handle.log_dir, paths.STACKS_FILE)})")
     return "\n".join(lines)
+
+
+def starting_line(handle: Any) -> str:
+    """What a verb says of a run still starting (no log folder, no ranks yet)."""
+    return (
+        f"air_magic: {handle.name} is starting in the background (its MLflow run and ranks are on "
+        "their way); ask again in a moment"
+    )
+
+
+def stack_of_run(run: str | None, rank: int | None = None, cluster: str | None = None) -> str:
+    """``stack [RUN] [RANK]`` of a detached run (default: the newest running), here or on the
+    cluster: followed just long enough to take them (the run goes on; nothing stays followed)."""
+    handle = anywhere.attach(run, display="none", cluster=cluster)
+    try:
+        return stack(handle, rank)
+    finally:
+        detached.stop_following(handle)
 
 
 def logs(

@@ -164,9 +164,13 @@ def prepare_call(
         ) from None
     backend = backend if backend is not None else backend_for(settings)
     plan = backend.prepare(settings)
-    payload = build_payload(func, bound, settings.max_payload_bytes)
-    # The last check, on the caller's thread: from here the GPUs are this call's until run() ends.
-    claim = gpu_claims.claim(name, plan, settings.share_gpus)
+    try:
+        payload = build_payload(func, bound, settings.max_payload_bytes)
+        # The last check, on the caller's thread: from here the GPUs are this call's until run() ends.
+        claim = gpu_claims.claim(name, plan, settings.share_gpus)
+    except BaseException:
+        _release(backend)
+        raise
     run_owner = facts = None
     if settings.tracking:
         facts = tracking.CallFacts(
@@ -210,9 +214,11 @@ class PreparedCall:
         return make_consumers(self.settings.display)
 
     def abandon(self) -> None:
-        """Its GPUs are free again (the call will not run here after all). Safe to call twice."""
+        """Its GPUs are free again (the call will not run here after all, or it has ended): this
+        process's claim, and what the backend reserved for it in prepare(). Safe to call twice."""
         claim, self.claim = self.claim, None
         gpu_claims.release(claim)
+        _release(self.backend)
 
     def run(self, displays: Sequence[Consumer], consumers: Sequence[Consumer] = ()) -> RunResult:
         """Steps 5-8: wait for the tracked run, run the ranks, end the tracked run with the outcome."""
@@ -253,6 +259,13 @@ class PreparedCall:
             self.abandon()
             if run_owner is not None:
                 run_owner.end(outcome)
+
+
+def _release(backend: Backend) -> None:
+    """What ``backend.prepare`` reserved for the call (the Ray backend's pool), given back."""
+    release = getattr(backend, "release", None)
+    if release is not None:
+        release()
 
 
 def _source_of(func: Callable[..., Any]) -> str | None:

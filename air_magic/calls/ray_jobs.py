@@ -359,33 +359,47 @@ class JobRun:
 
     def stacks(self, pids: dict[int, int], log_dir: str | None) -> dict[int, str]:
         """The ranks' stacks, taken on their nodes by a small helper job (``job_stacks``): a running
-        job has no other way in. Seconds (the helper joins the cluster as a driver)."""
+        job has no other way in. Seconds (the helper joins the cluster as a driver); the helper is
+        gone from the cluster's job list after, however this ends."""
         if not pids or not self.alive():
             return {}
         helper = f"{self.id}-stacks-{secrets.token_hex(3)}"
-        module = job_stacks.__name__
         self.client.submit_job(
-            entrypoint=f"exec {job_python()} -m {module} {shlex.quote(self.id)}",
+            entrypoint=f"exec {self._python()} -m {job_stacks.__name__} {shlex.quote(self.id)}",
             submission_id=helper,
             metadata={f"{MARK}_helper": "stacks"},  # not a run: runs() lists only MARK's
         )
-        deadline = time.monotonic() + STACKS_JOB_WAIT_S
+        log = None
         try:
-            while _status_name(self.client.get_job_info(helper)) in _LIVE_JOB:
-                if time.monotonic() > deadline:
-                    self.client.stop_job(helper)
-                    why = f"the helper job {helper} took over {STACKS_JOB_WAIT_S:g} s"
-                    return {rank: f"(no stack: {why})" for rank in pids}
+            deadline = time.monotonic() + STACKS_JOB_WAIT_S
+            while log is None and time.monotonic() < deadline:
+                with contextlib.suppress(Exception):  # the dashboard's blip: ask again
+                    if _status_name(self.client.get_job_info(helper)) not in _LIVE_JOB:
+                        log = self.client.get_job_logs(helper)
+                        continue
                 time.sleep(0.2)
-            log = self.client.get_job_logs(helper)
         finally:
-            with contextlib.suppress(Exception):  # a finished helper leaves no entry in the job list
-                self.client.delete_job(helper)
-        found = job_stacks.parse(log)
-        if found is None:
+            _remove_job(self.client, helper)
+        if log is None:
+            why = f"the helper job {helper} took over {STACKS_JOB_WAIT_S:g} s"
+        else:
+            found = job_stacks.parse(log)
+            if found:
+                return found
             last = "\n".join(log.strip().splitlines()[-5:])
-            return {rank: f"(no stack: the helper job {helper} failed:\n{last})" for rank in pids}
-        return found
+            why = (
+                f"the helper job {helper} found no rank of the run running (they ended, or its "
+                "supervisor is an air_magic that does not name its agents)"
+                if found == {}
+                else f"the helper job {helper} failed:\n{last}"
+            )
+        return {rank: f"(no stack: {why})" for rank in pids}
+
+    def _python(self) -> str:
+        """The Python the run's own job was started with (the submitter's choice), else this
+        machine's setting: a follower elsewhere may not have the submitter's setting."""
+        words = shlex.split(getattr(self.info(), "entrypoint", None) or "")
+        return shlex.quote(words[1]) if len(words) > 1 and words[0] == "exec" else job_python()
 
     def logs_folder(self) -> str:
         """The rank logs' folder, relative to the Ray session's logs folder on the job's node."""
@@ -393,11 +407,15 @@ class JobRun:
 
     def rank_log(self, rank: int, log_dir: str | None = None) -> str:
         """Rank ``rank``'s log, read from the job's node ('' while it has none)."""
+        return self.rank_log_file(rank) or ""
+
+    def rank_log_file(self, rank: int) -> str | None:
+        """Rank ``rank``'s log as read from the job's node; None where there is no such file."""
         node = self._node()
-        if node is None:
-            return ""
-        data = jobs_api.read_file(self.client, node, paths.rank_log(self.logs_folder(), rank))
-        return (data or b"").decode("utf-8", "replace")
+        data = (
+            jobs_api.read_file(self.client, node, paths.rank_log(self.logs_folder(), rank)) if node else None
+        )
+        return None if data is None else data.decode("utf-8", "replace")
 
     def as_listed(self) -> detached.DetachedRun:
         info = self.info()
@@ -418,6 +436,22 @@ class JobRun:
             mlflow=None,
             cluster=self.address,
         )
+
+
+def _remove_job(client: Any, job: str, wait_s: float = 10.0) -> None:
+    """A helper job gone from the cluster's job list: stopped if it still runs, then deleted (Ray
+    deletes only a job that has ended)."""
+    with contextlib.suppress(Exception):
+        client.stop_job(job)
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            client.delete_job(job)
+            return
+        except Exception:  # noqa: BLE001 - still stopping; or gone, or the dashboard blinked
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.2)
 
 
 def _submitted(info: Any) -> dict[str, Any]:
@@ -524,8 +558,8 @@ def rank_log(run: str, rank: int | None, address: str | None, tail: int | None =
         folder = place.logs_folder()
         names = jobs_api.list_files(place.client, node, f"{folder}/*")
         return "\n".join([f"ray job {place.id} ({folder}/ on its node)", *names])
-    text = place.rank_log(rank)
-    if not text:
+    text = place.rank_log_file(rank)
+    if text is None:
         raise ConfigurationError(f"rank {rank} has no log in run {place.id}")
     if tail is None:
         return text

@@ -320,11 +320,7 @@ def _newest_background() -> background.RunHandle:
 def _stack(args: list[str]) -> Any:
     try:
         run, rank = verbs.split_run_rank(args, "%distributed stack")
-        handle = anywhere.attach(run, display="none") if run is not None else _newest_background()
-        if handle.status == "starting":
-            print(_starting() or f"air_magic: {handle.name} is starting")
-            return None
-        print(verbs.stack(handle, rank))
+        print(verbs.stack_of_run(run, rank) if run is not None else verbs.stack(_newest_background(), rank))
     except ConfigurationError as exc:
         raise UsageError(str(exc)) from None
     return None
@@ -364,11 +360,7 @@ def _starting() -> str | None:
     starting = [h for h in background.running() if h.status == "starting"]
     if not starting:
         return None
-    handle = max(starting, key=lambda h: h.started)
-    return (
-        f"air_magic: {handle.name} is starting in the background (its MLflow run and ranks are on "
-        "their way); ask again in a moment"
-    )
+    return verbs.starting_line(max(starting, key=lambda h: h.started))
 
 
 def _status() -> None:

@@ -564,6 +564,12 @@ def test_a_background_run_on_ray_answers_like_a_local_one(cluster, tmp_path):
     ready.mkdir()
     on_ray = air_magic.distributed(num_accelerators=3, cluster="ray", display="none", tracking=False)
     handle = on_ray(sleeps).distributed_async(str(ready))
+    # Another call while it starts (a call of another size would release the pool under it) is
+    # refused before anything of either is touched; so is ray_launch, which gives the pool back.
+    with pytest.raises(LaunchError, match="one call at a time"):
+        call(where_am_i, n=2)
+    with pytest.raises(LaunchError, match="holds the nodes"):
+        air_magic.ray_launch(num_accelerators=1, display="none", tracking=False)(where_am_i).distributed()
     _wait_ready(ready, 3)
     _remember_agents()
     assert handle.status == "running" and sorted(handle.rank_pids) == [0, 1, 2]

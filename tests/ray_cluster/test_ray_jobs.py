@@ -188,7 +188,8 @@ def _project(tmp_path) -> str:
 
 def _submit(project: str, address: str, *script_args: str, runs: list[str]) -> str:
     env = environment()
-    env.pop("RAY_ADDRESS", None)
+    # Set for notebook calls (Ray Client): the address given to the detached run wins over it.
+    env["RAY_ADDRESS"] = HEAD["client"]
     started = time.monotonic()
     done = _air_magic(
         "run",
@@ -274,6 +275,12 @@ def test_cancel_stops_a_ray_job_and_a_killed_supervisor_takes_its_ranks(head, tm
     assert "rank 1 waits" in handle.logs(1)  # read from the job's node
     dump = handle.stacks()  # taken on the ranks' node by a helper job
     assert sorted(dump) == [0, 1] and all("train.py" in dump[rank] for rank in (0, 1)), dump
+    from ray.job_submission import JobSubmissionClient
+
+    helpers = [
+        j.submission_id for j in JobSubmissionClient(head).list_jobs() if "-stacks-" in j.submission_id
+    ]
+    assert helpers == [], helpers  # each helper job is deleted once read
     shown = _air_magic("stack", runs["cancelled"], "0", env=env)
     assert shown.returncode == 0 and "  rank 0:" in shown.stdout and "train.py" in shown.stdout, shown
     assert "  rank 1:" not in shown.stdout
@@ -318,7 +325,8 @@ def _wait_gone(procs: list[psutil.Process], seconds: float = 30) -> None:
 
 
 @fault(
-    "cancel of a detached run on Ray at once, while its job is still starting (PENDING)",
+    "cancel of a detached run on Ray at once, while its job is still starting (PENDING here: Ray "
+    "still sets up its runtime environment)",
     "the run ends cancelled, nothing of it runs on; the job STOPPED, runs() says cancelled",
 )
 def test_a_cancel_while_the_job_is_starting_ends_it_cancelled(head, submitted):
@@ -329,7 +337,7 @@ def test_a_cancel_while_the_job_is_starting_ends_it_cancelled(head, submitted):
     submitted.append(handle.detached_id)
     when = _job_status(head, handle.detached_id)
     assert handle.cancel() is True, handle.status
-    print(f"cancelled while {when}")
+    print(f"cancelled while {when}")  # PENDING in every run so far (its runtime environment takes ~2 s)
     assert handle.status == "cancelled"
     with pytest.raises(LaunchError, match=r"cancelled before its ranks started|stopped before it finished"):
         handle.result()
@@ -391,7 +399,10 @@ def test_ray_client_addresses_work_for_calls_and_ray_launch_and_are_refused_for_
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-4000:]
     assert f"connected to Ray at {address}" in out
-    assert "raised: rank 1 broke over Ray Client" in out and "line 12, in breaks" in out, out[-4000:]
+    line = 1 + RAY_CLIENT_SCRIPT.splitlines().index(
+        '        raise ValueError("rank 1 broke over Ray Client")'
+    )
+    assert "raised: rank 1 broke over Ray Client" in out and f"line {line}, in breaks" in out, out[-4000:]
     assert f"driver joined {address}" in out and "driver returned [8.0]" in out, out[-4000:]
     refusals = [line for line in out.splitlines() if line.startswith("refused:")]
     assert len(refusals) == 2 and all("dashboard address" in line for line in refusals), out[-3000:]
@@ -419,7 +430,6 @@ def test_a_node_lost_under_a_ray_job_fails_its_run_naming_the_node(head, tmp_pat
         while said[-1] and not said[-1].startswith("ready"):
             said.append(node.stdout.readline())
         assert said[-1].startswith("ready"), "".join(said[-30:])
-        node_id = said[-1].split()[1]
         gate = tmp_path / "gate"
 
         def waits_at(gate):  # defined here: pickled by value (the cluster cannot import this module)
@@ -447,7 +457,8 @@ def test_a_node_lost_under_a_ray_job_fails_its_run_naming_the_node(head, tmp_pat
     with pytest.raises(RankFailedError, match="was lost during the call") as caught:
         handle.result(timeout=120)
     print(caught.value)
-    assert node_id[:8] in str(caught.value) or "127.0.0.1" in str(caught.value), caught.value
+    said = str(caught.value)
+    assert "(node 0) was lost during the call" in said and "rank(s) 0, 1" in said, said
     _wait_gone(ranks)
     listed = {r.id: r.status for r in air_magic.runs(cluster=f"ray={head}")}
     assert listed[handle.detached_id] == "failed"

@@ -41,18 +41,29 @@ class RayBackend:
             cluster.ray_init(self.address)
         elif self.address and self.address != "auto":
             cluster.check_address(self.address)
+        # Reserved for this call from here (a background call's run() comes later, on its thread):
+        # another call meanwhile is refused, never given this pool or allowed to release it.
         self._pool = placement.pool_for(settings.num_accelerators, settings.accelerator_type)
-        if self.warm_start and warm.enabled():
-            for agent in self._pool.agents:
-                agent.prestart.remote(dict(settings.env))  # torch imported on every node meanwhile
+        try:
+            if self.warm_start and warm.enabled():
+                for agent in self._pool.agents:
+                    agent.prestart.remote(dict(settings.env))  # torch imported on every node meanwhile
+        except BaseException:
+            self.release()
+            raise
         self._stop_requested.clear()
         return self._pool.plan
 
+    def release(self) -> None:
+        """Give back the pool that prepare() reserved (the call ended, or will not run)."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.in_use.release()
+
     def run(self, request: LaunchRequest, bus: EventBus) -> RunResult:
         pool = self._pool
-        assert pool is not None, "prepare() first"
-        if not pool.in_use.acquire(blocking=False):
-            raise LaunchError("another call of this process is running on the Ray cluster: one at a time")
+        if pool is None:
+            raise LaunchError("RayBackend.run() without prepare() (or after release())")
         try:
             loop = RayCall(
                 request,
@@ -66,7 +77,7 @@ class RayBackend:
             return loop.execute()
         finally:
             self._run = None
-            pool.in_use.release()
+            self.release()
 
     def stop(self, grace_s: float | None = None, signum: int | None = None) -> None:
         self._stop_requested.ask(grace_s, signum)

@@ -49,7 +49,7 @@ def client_for(address: str | None) -> Any:
     try:
         if not address:
             return JobSubmissionClient(None)
-        with _environment_without(overrides):
+        with _environment_without([n for n in overrides if os.environ.get(n, address) != address]):
             return JobSubmissionClient(address)
     except ConnectionError as exc:
         where = address or "$RAY_ADDRESS"
@@ -61,14 +61,23 @@ def client_for(address: str | None) -> Any:
         ) from None
 
 
+_environment_lock = threading.Lock()
+
+
 @contextlib.contextmanager
-def _environment_without(names: tuple[str, ...]) -> Iterator[None]:
-    """``names`` out of the environment while Ray's client reads it (its constructor only)."""
-    saved = {name: os.environ.pop(name) for name in names if name in os.environ}
-    try:
+def _environment_without(names: list[str]) -> Iterator[None]:
+    """``names`` out of the environment while Ray's client reads it (its constructor only; one
+    client at a time). Only variables that name another cluster are taken out, so the environment
+    is left alone in the usual case (none set, or the same address)."""
+    if not names:
         yield
-    finally:
-        os.environ.update(saved)
+        return
+    with _environment_lock:
+        saved = {name: os.environ.pop(name) for name in names if name in os.environ}
+        try:
+            yield
+        finally:
+            os.environ.update(saved)
 
 
 def _get(client: Any, endpoint: str, params: dict[str, Any], **kwargs: Any) -> Any:

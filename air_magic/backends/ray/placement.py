@@ -300,33 +300,40 @@ def named_agents(ray: Any, run_id: str) -> list[Any]:
 
 
 def pool_for(n: int | None, spec: AcceleratorSpec | None) -> Pool:
-    """The pool for a call asking for ``n`` ranks (and ``spec``): the current one when it fits."""
+    """The pool for a call asking for ``n`` ranks (and ``spec``), reserved for it (its ``in_use``
+    held: the caller releases it when the call ends or will not run): the current one when it fits."""
     global _pool
     ray = cluster.connect()
     force_cpu = os.environ.get(env_names.FORCE_CPU, "") not in ("", "0")
     with _lock:
         here = ray.get_runtime_context().get_node_id()
         if _pool is not None:
-            if _pool.in_use.locked():
+            if not _pool.in_use.acquire(blocking=False):
                 raise LaunchError(
-                    "another call of this process is running on the Ray cluster: one call at a time "
-                    "(its ranks hold the reserved nodes)"
+                    "another call of this process is running (or starting) on the Ray cluster: one "
+                    "call at a time (its ranks hold the reserved nodes); wait for it or cancel it"
                 )
             # The pool serves any call for as many ranks of the same kind, however it was laid out
             # (it was planned on what was free then).
-            wanted = plan_shape(ray.nodes(), n, spec, here)
+            try:
+                wanted = plan_shape(ray.nodes(), n, spec, here)
+            except BaseException:
+                _pool.in_use.release()
+                raise
             same = (wanted.world_size, wanted.unit, wanted.model) == (
                 _pool.shape.world_size,
                 _pool.shape.unit,
                 _pool.shape.model,
             )
             if same and _pool.force_cpu == force_cpu and _pool.alive():
-                return _pool
+                return _pool  # reserved above
             _pool.release()
             _pool = None
         shape = plan_shape(ray.nodes(), n, spec, here, _free_per_node())
-        _pool = Pool(shape, force_cpu)
-        return _pool
+        pool = Pool(shape, force_cpu)
+        pool.in_use.acquire()  # new, so free: reserved for this call
+        _pool = pool
+        return pool
 
 
 def _free_per_node() -> dict[str, dict[str, float]] | None:
