@@ -397,7 +397,7 @@ def test_ray_client_addresses_work_for_calls_and_ray_launch_and_are_refused_for_
         [sys.executable, str(script), address], env=env, capture_output=True, text=True, timeout=240
     )
     out = done.stdout + done.stderr
-    assert done.returncode == 0, out[-4000:]
+    assert done.returncode == 0, out[-4000:] + _client_server_logs()
     assert f"connected to Ray at {address}" in out
     line = 1 + RAY_CLIENT_SCRIPT.splitlines().index(
         '        raise ValueError("rank 1 broke over Ray Client")'
@@ -462,3 +462,13 @@ def test_a_node_lost_under_a_ray_job_fails_its_run_naming_the_node(head, tmp_pat
     _wait_gone(ranks)
     listed = {r.id: r.status for r in air_magic.runs(cluster=f"ray={head}")}
     assert listed[handle.detached_id] == "failed"
+
+
+def _client_server_logs() -> str:
+    """The head's Ray Client servers' own logs (why one did not start), for a failure's message."""
+    logs = Path(HEAD["temp"], "session_latest", "logs")
+    said = [
+        f"\n== {p.name}\n{p.read_text(errors='replace')[-3000:]}"
+        for p in sorted(logs.glob("ray_client_server*"))
+    ]
+    return "".join(said)
