@@ -213,6 +213,39 @@ def _submit(project: str, address: str, *script_args: str, runs: list[str]) -> s
     return found.group(1)
 
 
+SUBMIT_AND_DIE = """
+import os, signal, sys
+import air_magic
+
+def train():
+    if os.environ["RANK"] == "1":
+        raise ValueError("rank 1 hit a bad batch")
+
+on_ray = air_magic.distributed(
+    num_accelerators=2, display="none", tracking=False, detach=True, cluster="ray=" + sys.argv[1]
+)
+handle = on_ray(train).distributed_async()  # back once Ray accepted it; a thread follows it here
+print("submitted", handle.detached_id, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _submit_and_die(tmp_path, address: str, runs: list[str]) -> str:
+    """A run submitted through the Python API by a process SIGKILLed right after (a kernel that
+    died): the run is the cluster's; nothing of it was in that process."""
+    script = tmp_path / "submit_and_die.py"
+    script.write_text(SUBMIT_AND_DIE)
+    env = environment()
+    env.pop("RAY_ADDRESS", None)
+    done = subprocess.run(
+        [sys.executable, str(script), address], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == -signal.SIGKILL, done.stdout + done.stderr[-3000:]
+    (run_id,) = re.findall(r"^submitted (\S+)$", done.stdout, re.M)
+    runs.append(run_id)
+    return run_id
+
+
 def _job_status(address: str, run_id: str) -> str:
     from ray.job_submission import JobSubmissionClient
 
@@ -220,14 +253,15 @@ def _job_status(address: str, run_id: str) -> str:
 
 
 @fault(
-    "the submitter exits right after submitting detached runs to Ray (one succeeds, one's rank fails)",
+    "the submitter exits right after submitting detached runs to Ray (one succeeds; one, whose submitter "
+    "is SIGKILLed as its follower starts, has a rank that fails)",
     "the jobs run on; a process with no local state lists them, attaches (the whole output; exit 0, "
     "or the rank's own traceback and exit 1) and reads a rank's log",
 )
 def test_runs_submitted_to_ray_are_followed_from_a_process_with_no_state(head, tmp_path, submitted):
     project = _project(tmp_path)
     run_id = _submit(project, head, runs=submitted)  # the submitting process has exited
-    failing = _submit(project, head, "--fail", runs=submitted)
+    failing = _submit_and_die(tmp_path, head, runs=submitted)  # SIGKILLed as its follower starts
     env = _elsewhere(tmp_path, head)
     attached = _air_magic("attach", run_id, env=env)
     assert attached.returncode == 0, attached.stdout[-2000:] + attached.stderr[-3000:]
