@@ -406,7 +406,13 @@ except ValueError as exc:
 @air_magic.ray_launch(num_accelerators=1, display="text", tracking=False)
 def driver():
     import ray
-    ray.init()
+    for attempt in range(3):  # a user's own ray.init: Ray's client server start flakes (cluster._init)
+        try:
+            ray.init()
+            break
+        except ConnectionAbortedError:
+            if attempt == 2:
+                raise
     print("driver joined", os.environ["RAY_ADDRESS"], flush=True)
     return ray.cluster_resources()["CPU"]
 

@@ -106,3 +106,26 @@ def test_ray_client_addresses_are_refused_for_jobs_from_the_argument_or_the_envi
             ConfigurationError, match=r"dashboard address instead \(cluster='ray=http://HEAD:8265'"
         ):
             jobs_api.client_for(given)
+
+
+def test_a_ray_client_connection_whose_server_failed_to_start_is_tried_again(capsys, monkeypatch):
+    from air_magic.backends.ray import cluster
+
+    monkeypatch.setattr(cluster.time, "sleep", lambda s: None)
+    said = "Initialization failure from server: Starting Ray client server failed"
+
+    class FlakyRay:
+        calls = 0
+
+        def init(self, **kwargs):
+            self.calls += 1
+            if self.calls < 3:
+                raise ConnectionAbortedError(
+                    "Initialization failure from server: Starting Ray client server failed"
+                )
+
+    ray = FlakyRay()
+    cluster._init(ray, {"address": "ray://head:10001"})
+    assert ray.calls == 3 and "attempt 2 of 3" in capsys.readouterr().err
+    with pytest.raises(ConnectionAbortedError):  # not a Ray Client address: Ray's error as it is
+        cluster._init(FlakyRay(), {"address": "head:6379"})

@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 import secrets
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +77,7 @@ class ClusterInfo:
         printer.text(str(self))
 
 
+CLIENT_START_TRIES = 3  # a ray:// connection whose server the head failed to start (see _init)
 _started_here = False
 _client_address: str | None = None  # the ray:// address ray_init connected through (Ray Client)
 
@@ -112,10 +114,31 @@ def ray_init(address: str | None = None, **ray_init_kwargs: Any) -> ClusterInfo:
             # reachable from here; this is the address a driver ray_launch starts must use too.
             _client_address = address if address.startswith("ray://") else None
         kwargs.update(ray_init_kwargs)
-        ray.init(**kwargs)
+        _init(ray, kwargs)
     info = cluster_info()
     print(info, file=sys.stderr)
     return info
+
+
+def _init(ray: Any, kwargs: dict[str, Any]) -> None:
+    """``ray.init``; for a Ray Client address, tried again when the head's client server fails to
+    start the server of this connection: Ray's proxier forks it from a process with gRPC threads,
+    and on a busy head it sometimes dies at once with empty logs (seen in 2 of 6 loopback runs
+    here; ray-project/ray#18876, #28091). Ray disconnects the failed attempt itself."""
+    client = str(kwargs.get("address", "")).startswith("ray://")
+    for attempt in range(1, CLIENT_START_TRIES + 1):
+        try:
+            ray.init(**kwargs)
+            return
+        except ConnectionAbortedError as exc:
+            if not client or "client server failed" not in str(exc) or attempt == CLIENT_START_TRIES:
+                raise
+            print(
+                f"air_magic: the Ray Client server at {kwargs['address']} failed to start this "
+                f"connection's server (attempt {attempt} of {CLIENT_START_TRIES}); trying again",
+                file=sys.stderr,
+            )
+            time.sleep(1.0)
 
 
 def check_address(address: str) -> None:
