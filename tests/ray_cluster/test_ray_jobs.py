@@ -411,6 +411,7 @@ def driver():
             ray.init()
             break
         except ConnectionAbortedError:
+            print("driver: Ray's client server failed to start; trying again", flush=True)
             if attempt == 2:
                 raise
     print("driver joined", os.environ["RAY_ADDRESS"], flush=True)
