@@ -131,7 +131,11 @@ def _init(ray: Any, kwargs: dict[str, Any]) -> None:
             ray.init(**kwargs)
             return
         except ConnectionAbortedError as exc:
-            if not client or "client server failed" not in str(exc) or attempt == CLIENT_START_TRIES:
+            # Ray says it two ways: the server died before the proxier looked ("client server
+            # failed"), or while it looked (a ZombieProcess in start_specific_server).
+            said = str(exc)
+            flake = "client server failed" in said or "start_specific_server" in said
+            if not client or not flake or attempt == CLIENT_START_TRIES:
                 raise
             print(
                 f"air_magic: the Ray Client server at {kwargs['address']} failed to start this "
