@@ -61,11 +61,13 @@ class RendezvousStore:
     def serve_here(self) -> None:
         """Run the store's server in this process (imports torch: seconds, once per process)."""
         assert self._listener is not None, "the store is served already"
-        self._store = tcp_store_server(
-            self.host, self.port, self.world_size, self.timeout_s, self._listener.fileno()
-        )
-        # The store owns the fd from here on and closes it when it is destroyed.
-        self._listener.detach()
+        # The store owns the fd it is given and closes it when it is destroyed: it gets a copy. A
+        # Ctrl-C while the store is being made (torch may or may not own the copy by then) must not
+        # leave this object closing an fd torch has closed, perhaps reused by another file since;
+        # at worst the copy leaks until the process ends.
+        given = os.dup(self._listener.fileno())
+        self._store = tcp_store_server(self.host, self.port, self.world_size, self.timeout_s, given)
+        self._listener.close()  # the store's copy serves the port
         self._listener = None
 
     def serve_in(self, starter: Starter, wait_s: float = HOST_READY_S) -> bool:
