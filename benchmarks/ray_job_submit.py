@@ -2,7 +2,7 @@
 
     python benchmarks/ray_job_submit.py [--runs 3]
 
-Starts a loopback Ray head with its dashboard (``ray start --head``, as the tests do), then, per
+Starts a loopback Ray head with its dashboard (``tests/helpers/ray_head.py``, the tests' own), then, per
 run, times ``air-magic run --cluster ray=http://... --detach -n 2 hello.py`` from its start to its
 return (the job accepted) and to the first rank's line, seen by ``air-magic attach --json`` in a
 process with no local state. Stops the head at the end.
@@ -19,29 +19,18 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from helpers.ray_head import start_head, stop_head
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
     bin_dir = os.path.dirname(sys.executable)
-    temp = tempfile.mkdtemp(prefix="rb", dir="/tmp")
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
-    env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
     started = time.monotonic()
-    head = subprocess.Popen(
-        [os.path.join(bin_dir, "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
-         "--port=0",
-         "--include-dashboard=true", "--dashboard-host=127.0.0.1", "--dashboard-port=0",
-         "--dashboard-agent-listen-port=0", "--disable-usage-stats", f"--temp-dir={temp}", "--num-cpus=4"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-    )  # fmt: skip
-    address = None
-    while address is None:
-        line = head.stdout.readline()
-        assert line, "the head did not start"
-        found = re.search(r"RAY_API_SERVER_ADDRESS='(http://[^']+)'", line)
-        address = found.group(1) if found else None
+    head = start_head(num_cpus=4)
+    address, env = head.address, head.env
     print(json.dumps({"head_start_s": round(time.monotonic() - started, 1)}), flush=True)
     project = tempfile.mkdtemp(prefix="ray-job-")
     with open(os.path.join(project, "hello.py"), "w") as f:
@@ -75,9 +64,7 @@ def main() -> None:
             }
             print(json.dumps(row), flush=True)
     finally:
-        head.terminate()
-        head.wait(60)
-        subprocess.run(["rm", "-rf", temp], check=False)
+        stop_head(head)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ import psutil
 import pytest
 from helpers.cli import command, environment
 from helpers.modules import skip_unless_installed
+from helpers.ray_head import start_head, stop_head
 
 import air_magic
 from air_magic.errors import LaunchError, RankFailedError
@@ -29,96 +29,18 @@ from air_magic.errors import LaunchError, RankFailedError
 pytestmark = [skip_unless_installed("ray", "aiohttp_cors"), pytest.mark.timeout(300)]
 fault = pytest.mark.fault
 
-HEAD_START_S = 90
 HEAD: dict[str, str] = {}  # the running head's Ray Client address ("client": ray://...) and "temp" folder
 
 
 @pytest.fixture(scope="module")
 def head():
     """The dashboard's address of a loopback Ray head of 8 CPUs, stopped (every process of it) after."""
-    temp = tempfile.mkdtemp(prefix="rh", dir="/tmp")  # short: Ray's socket paths live under it
-    bin_dir = os.path.dirname(sys.executable)
-    client_port = _free_port()
-    HEAD.update(client=f"ray://127.0.0.1:{client_port}", temp=temp)
-    env = {
-        **os.environ,
-        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # every listener on 127.0.0.1 (NOTES.md)
-        "RAY_USAGE_STATS_ENABLED": "0",
-        "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),  # the jobs' python3: this one's
-    }
-    proc = subprocess.Popen(
-        [
-            os.path.join(bin_dir, "ray"),
-            "start",
-            "--head",
-            "--block",
-            "--node-ip-address=127.0.0.1",
-            "--port=0",
-            "--include-dashboard=true",
-            "--dashboard-host=127.0.0.1",
-            "--dashboard-port=0",
-            "--dashboard-agent-listen-port=0",
-            f"--ray-client-server-port={client_port}",  # 10001 by default: two heads would collide
-            "--disable-usage-stats",
-            f"--temp-dir={temp}",
-            "--num-cpus=8",
-        ],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    address = None
-    said: list[str] = []
-    deadline = time.monotonic() + HEAD_START_S
-    while address is None and time.monotonic() < deadline and proc.poll() is None:
-        line = proc.stdout.readline()
-        said.append(line)
-        found = re.search(r"RAY_API_SERVER_ADDRESS='(http://[^']+)'", line)
-        address = found.group(1) if found else None
+    started = start_head(num_cpus=8)
+    HEAD.update(client=started.client, temp=started.temp)
     try:
-        assert address is not None, "the Ray head did not start:\n" + "".join(said[-30:])
-        yield address
+        yield started.address
     finally:
-        _stop_head(proc, temp)
-
-
-def _free_port() -> int:
-    """A port free now on 127.0.0.1 (Ray cannot be told to leave its client server out or let the
-    kernel choose its port)."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _stop_head(proc: subprocess.Popen, temp: str) -> None:
-    # `ray start` alone: it stops its processes in 3 s; SIGTERM to the whole group also reaches the
-    # GCS, and the raylet then waits 30 s to drain. The group is killed after, with anything left.
-    try:
-        proc.terminate()
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    deadline = time.monotonic() + 30
-    while True:
-        left = [p for p in psutil.process_iter(["cmdline"]) if temp in " ".join(p.info["cmdline"] or ())]
-        if not left or time.monotonic() > deadline:
-            break
-        for p in left:
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
-        time.sleep(0.5)
-    assert not left, f"the Ray head left processes: {left}"
-    subprocess.run(["rm", "-rf", temp], check=False)
+        stop_head(started)
 
 
 @pytest.fixture
