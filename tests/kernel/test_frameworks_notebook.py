@@ -1,6 +1,6 @@
 """Frameworks unchanged in a notebook (issue 33, item 3): a real Jupyter kernel runs the training
 files of ``tests/process/frameworks`` as a user would paste them, in a ``%%distributed`` cell and as
-a function defined in the notebook called through the decorator, warm and fresh; the final weights
+a function defined in the notebook called through the decorator, on warm ranks; the final weights
 are torchrun's for the same file (``helpers/oracle.py``), bit for bit.
 
 The kernel's warm starter preloads the frameworks (``AIR_MAGIC_PRELOAD``), as a user who runs them
@@ -21,12 +21,12 @@ from helpers.paths import FRAMEWORKS
 pytestmark = skip_unless_installed("jupyter_client", "ipykernel", "lightning", "transformers", "accelerate")
 from helpers.kernel import Kernel  # noqa: E402
 
-# Each trainer through the decorator on warm ranks, the Trainers also as a cell; fresh ranks once
-# (a fresh rank here costs ~6 s of both cores, and every framework already runs fresh through
-# `air-magic run` in tests/process/test_frameworks.py: what a surface changes is how the code
-# reaches the rank, not how the rank starts). The suite's 15 minutes are the budget.
+# Each trainer through the decorator on warm ranks, the Trainers also as a cell; no fresh ranks
+# (a fresh rank here costs ~6 s of both cores; tests/process/test_frameworks.py runs fresh ones
+# through `air-magic run`: what a surface changes is how the code reaches the rank, not how the
+# rank starts). The suite's 15 minutes are the budget.
 TRAINERS = {  # file: [(surface, warm)]
-    "lightning_ddp.py": [("cell", True), ("function", True), ("cell", False)],
+    "lightning_ddp.py": [("cell", True), ("function", True)],
     "lightning_fabric.py": [("function", True)],
     "transformers_trainer.py": [("cell", True), ("function", True)],
 }

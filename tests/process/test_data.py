@@ -426,6 +426,8 @@ def test_dcp_saves_on_two_ranks_and_loads_on_two_and_on_three(files, scheme):
     resharded = run(loads_checkpoint, url, False, n=3)
     assert [rows for rows, _, _ in resharded] == [4, 4, 4]
     assert all(tensor == full for _, tensor, _ in resharded)
+    if scheme:
+        return  # the check below is air_magic's own, on the metadata either storage reads: once is enough
     for ranks in (1, 3):  # the loaders' positions cannot move to another number of ranks: said so
         with pytest.raises(ValueError, match=f"saved by 2 rank\\(s\\); this call has {ranks}"):
             run(loads_checkpoint, url, True, n=ranks)
