@@ -54,7 +54,7 @@ def _pasted(script):
     return source.split('\nif __name__ == "__main__":')[0]
 
 
-@pytest.mark.timeout(600)  # three trainers, eight calls, the oracles: about 50 s alone, more under load
+@pytest.mark.timeout(600)  # three trainers, five calls, the oracles: about 50 s alone, more under load
 def test_trainers_pasted_into_a_notebook_give_torchruns_final_weights(kernel, tmp_path, tmp_path_factory):
     """One kernel for the three (a kernel and its starter's preload cost seconds each)."""
     for script in TRAINERS:

@@ -138,10 +138,12 @@ CELL_FAULTS = {
     "the cell magic: a rank raises, exits, is SIGKILLed, times out; an unpicklable name",
     "the error names the rank and cause; kernel usable; run FAILED",
 )
+@pytest.mark.timeout(300)  # five calls (one waits out its 3 s timeout) and a kernel's first imports
 def test_cell_magic_failures_in_a_kernel(kernel):
     """One kernel through every case in turn (a kernel, its starter and MLflow's import cost seconds
     each): after each failure the next cell works, and so does the next case."""
     kernel.run("import threading\nguard = threading.Lock()")
+    runs: list[str] = []
     for case, (body, ename) in sorted(CELL_FAULTS.items()):
         reply, _ = kernel.run(f"%%distributed -n 2 --timeout 3 --display none\n{body}")
         assert reply["status"] == "error" and reply["ename"] == ename, (case, reply)
@@ -151,5 +153,7 @@ def test_cell_magic_failures_in_a_kernel(kernel):
         else:
             assert "rank" in shown, (case, shown)
             run_id = kernel.printed("print(air_magic.last_run().mlflow_run_id)").strip()
+            assert run_id not in runs, (case, "no run of its own")  # not the case before's
+            runs.append(run_id)
             assert _run_id_status(run_id) == "FAILED", case
         assert kernel.run("2 + 2")[0]["status"] == "ok", case
