@@ -30,11 +30,21 @@ def torchrun_weights(tmp_path_factory: Any, script: str) -> dict[str, Any]:
     out = folder / f"{script}.pt"
     with open(folder / f"{script}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        if not out.exists():
+        for attempt in (1, 2):
+            if out.exists():
+                break
             done = subprocess.run(
                 [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                  str(FRAMEWORKS / script), str(out), str(folder / f"{script}-out")],
                 cwd=folder, env=environment(), capture_output=True, text=True, timeout=300,
             )  # fmt: skip
+            # torchrun's own ranks sometimes abort as the interpreter exits (a C++ thread of gloo's
+            # still joinable: "terminate called without an active exception", SIGABRT; seen in a
+            # CI simulation): the oracle's flake, not what is tested. Once more, then it counts.
+            flake = "terminate called without an active exception" in done.stderr and attempt == 1
+            if done.returncode != 0 and flake:
+                out.unlink(missing_ok=True)
+                continue
             assert done.returncode == 0, done.stderr[-3000:]
+            break
     return torch.load(out)
