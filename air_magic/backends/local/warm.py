@@ -403,6 +403,17 @@ def get_starter(
 AWAITED_S = 2.0  # a starter a call waited for this recently is not rebuilt for another call's variables
 
 
+def ready_for(startup_env: Mapping[str, str]) -> bool:
+    """The current starter is alive and ready for ranks with these start-up variables."""
+    starter = _starter
+    return (
+        starter is not None
+        and starter.startup_env == dict(startup_env)
+        and starter.alive()
+        and starter.is_ready()
+    )
+
+
 def starting() -> Starter | None:
     """The starter that is on its way but not ready yet, if any."""
     starter = _starter
