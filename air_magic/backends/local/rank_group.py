@@ -278,12 +278,14 @@ class RankGroup:
             starter = warm.get_starter(self.spec.log_root, startup, wait_s=slice_s, hold=True)
             if starter is not None:
                 return starter
-            if not looked_again and warm.ready_for(startup):
+            coming = warm.starting()
+            if coming is None and not looked_again and warm.ready_for(startup):
                 # Its ready message came just after that look's wait ran out (under load: the call
-                # then started fresh ranks beside a ready starter; test_warm.py): once more.
+                # then started fresh ranks beside a ready starter; test_warm.py): once more. Asked
+                # after starting(), which may be what read the message (ready stays ready).
                 looked_again = True
                 continue
-            if warm.starting() is None or not warm.serves(startup):
+            if coming is None or not warm.serves(startup):
                 return None  # none is coming for this call (another call waits for one of its own)
             if self._stopping.is_set() or give_up() or time.monotonic() >= end:
                 return None
