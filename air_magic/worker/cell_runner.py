@@ -1,7 +1,9 @@
 """Runs a ``%%distributed`` cell inside a rank (imported by ranks: no IPython here).
 
 The cell's source runs as a module-level script named like the cell, so a
-traceback points at the cell's lines. The namespace starts with the values
+traceback points at the cell's lines, in the ``__dict__`` of the rank's
+``__main__`` module (as IPython runs a cell), so the classes and functions it
+defines pickle inside the rank as they do in the notebook. The namespace starts with the values
 the notebook sent and the modules it had imported (re-imported here by name).
 Every rank returns the value of the cell's last expression; rank 0 also
 returns the names to bring back, each pickled on its own so that one
@@ -17,7 +19,6 @@ with nothing launched.
 from __future__ import annotations
 
 import ast
-import builtins
 import importlib
 import os
 import sys
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from air_magic.protocol import serialization
+from air_magic.worker import main_module
 
 
 @dataclass
@@ -51,11 +53,12 @@ def run_cell(
 ) -> CellOutcome:
     """Run the cell; ``watch`` names sent values to bring back if the cell changes them in place.
 
-    ``namespace``: the globals to run in (a persistent session's rank keeps one across cells,
-    worker/session_rank.py); None: a fresh one, as for a one-off call.
+    ``namespace``: the globals to run in, the ``__dict__`` of the rank's ``__main__`` module (a
+    persistent session's rank keeps one across cells, worker/session_rank.py); None: a fresh
+    ``__main__`` (worker/main_module.py), as for a one-off call.
     """
     if namespace is None:
-        namespace = {"__name__": "__main__", "__builtins__": builtins}
+        namespace = main_module.fresh_main()
     for alias, module in modules.items():
         namespace[alias] = importlib.import_module(module)
     namespace.update(values)

@@ -41,7 +41,7 @@ import psutil
 
 from air_magic.protocol import env_names, serialization, wire
 from air_magic.protocol.stacks import STACKS_SIGNAL, stacks_path
-from air_magic.worker import frameworks, live_stdout, targets
+from air_magic.worker import cell_runner, frameworks, live_stdout, main_module, targets
 from air_magic.worker import mlflow_hook as rank_mlflow
 
 # The rank group passes this to ``python -c``; argv[1] is the run directory.
@@ -87,6 +87,11 @@ def main(transport: wire.RankTransport) -> NoReturn:
         del payload
         for name, lines in sources.items():  # notebook cells: tracebacks show their lines
             linecache.cache[name] = (sum(map(len, lines)), None, lines, name)
+        # The user's names are attributes of __main__, as under torchrun (worker/main_module.py).
+        namespace = main_module.fresh_main()
+        main_module.adopt(fn, args, kwargs, namespace)
+        if fn is cell_runner.run_cell:
+            kwargs = {**kwargs, "namespace": namespace}
         stage = "run"
         result = fn(*args, **kwargs)
         stage = "result"

@@ -23,7 +23,6 @@ after a cell finished cannot end the rank.
 
 from __future__ import annotations
 
-import builtins
 import importlib.util
 import json
 import linecache
@@ -36,10 +35,11 @@ from typing import Any
 import psutil
 
 from air_magic.protocol import env_names, serialization, wire
-from air_magic.worker import cell_runner, entry, frameworks, live_stdout
+from air_magic.worker import cell_runner, entry, frameworks, live_stdout, main_module
 
-# The rank's globals for cells, kept from one cell to the next.
-_namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
+# The rank's globals for cells, kept from one cell to the next: the __dict__ of the session's
+# __main__ module (worker/main_module.py), made when the session starts.
+_namespace: dict[str, Any] = {}
 _torch_group = False  # this session set up torch's default process group (and ends it)
 _original_destroy: Any = None
 
@@ -52,6 +52,8 @@ def serve() -> None:
     commands = open(wire.session_fifo(call_dir, "cmd", rank), "rb", buffering=0)  # noqa: SIM115
     replies = os.open(wire.session_fifo(call_dir, "reply", rank), os.O_WRONLY)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    global _namespace
+    _namespace = main_module.fresh_main()
     _set_up_torch()
     _answer(replies, {"ready": True, "memory": memory_in_use()})
     pending = b""
@@ -105,6 +107,7 @@ def _run_cell(call_dir: str, rank: int, cell: int) -> bool:
         del payload
         for name, lines in sources.items():
             linecache.cache[name] = (sum(map(len, lines)), None, lines, name)
+        main_module.adopt(fn, args, kwargs, _namespace)
         if fn is cell_runner.run_cell:
             kwargs = {**kwargs, "namespace": _namespace}
         stage = "run"

@@ -465,3 +465,31 @@ def test_a_store_host_that_fails_leaves_nothing_and_the_caller_serves_the_store(
         assert client.get("k") == b"w"
     finally:
         hosted.close()  # its host ends (no_leftovers checks)
+
+
+def test_a_scripts_decorated_function_saves_a_whole_model_of_the_scripts_class(tmp_path):
+    """``torch.save(Net())`` of a class the script defines, in a ``@distributed`` function (issue 48 item 1)."""
+    import subprocess
+
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import os, sys\n"
+        "import torch\n"
+        "from air_magic import distributed\n"
+        "class Net(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.layer = torch.nn.Linear(2, 1)\n"
+        "@distributed(num_accelerators=2, display='none', tracking=False)\n"
+        "def train(out):\n"
+        "    path = os.path.join(out, f\"net-{os.environ['RANK']}.pt\")\n"
+        "    torch.save(Net(), path)\n"
+        "    return type(torch.load(path, weights_only=False)).__name__\n"
+        "if __name__ == '__main__':\n"
+        "    print(train.distributed(sys.argv[1]))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "['Net', 'Net']" in done.stdout
