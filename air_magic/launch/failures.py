@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from air_magic.errors import AirMagicError, RankFailedError, RemoteTraceback, add_note
-from air_magic.protocol import elastic_error_file, serialization
+from air_magic.protocol import elastic_error_file, serialization, wire
 from air_magic.protocol.wire import ErrorRecord
 
 # What a signal death most likely means, for the message.
@@ -312,6 +312,11 @@ def _death_message(where: str, code: int | None, log_path: str, last_lines: list
         what = (
             f"{where} exited with status 0 without returning a result "
             "(did something call os._exit(0), or end the interpreter from a thread?)"
+        )
+    elif any(wire.ERROR_RECORD_UNWRITTEN in line for line in last_lines):
+        what = (
+            f"{where} failed (status {code}), and its error record could not be written to the call "
+            "folder (is the temp folder full?): its traceback is in the last lines below"
         )
     else:
         what = (

@@ -25,6 +25,11 @@ def metrics_path(metrics_dir: str, rank: int | str) -> str:
     return os.path.join(metrics_dir, f"rank-{rank}.tsv")
 
 
+# What a rank prints when its error record cannot be written (a full temp folder): the caller's
+# death message (launch/failures.py) then says so first, and the traceback is in the lines shown.
+ERROR_RECORD_UNWRITTEN = "[air_magic] this rank's error record could not be written"
+
+
 def metric_line(key: str, value: float, timestamp_ms: int, step: int) -> str:
     """One metric as a rank appends it to its metric file (the caller's writer reads it back)."""
     return f"{key}\t{float(value)!r}\t{timestamp_ms}\t{step}\n"

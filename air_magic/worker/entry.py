@@ -42,6 +42,7 @@ import psutil
 from air_magic.protocol import env_names, serialization, wire
 from air_magic.protocol.stacks import STACKS_SIGNAL, stacks_path
 from air_magic.worker import cell_runner, frameworks, live_stdout, main_module, targets
+from air_magic.worker import metrics as rank_metrics
 from air_magic.worker import mlflow_hook as rank_mlflow
 
 # The rank group passes this to ``python -c``; argv[1] is the run directory.
@@ -150,8 +151,8 @@ def _report(transport: wire.RankTransport, stage: str, exc: BaseException) -> No
     )
     try:
         transport.write_error(serialization.dumps(record))
-    except Exception:  # noqa: BLE001 - the text still reaches the log
-        pass
+    except Exception as write_error:  # noqa: BLE001 - the text still reaches the log, with why
+        sys.stderr.write(f"{wire.ERROR_RECORD_UNWRITTEN}: {write_error}\n")
     # The traceback also goes to the rank's stderr, so the log tells the story on its own,
     # after what the rank printed before it.
     live_stdout.flush()
@@ -254,6 +255,7 @@ def install_exit_hook() -> None:
 
 def _end_of_rank() -> None:
     if _in_rank:
+        rank_metrics.report_lost()
         live_stdout.finish()  # after every other atexit hook: what they printed is written too
         _kill_descendants()
 

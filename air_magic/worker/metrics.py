@@ -46,24 +46,64 @@ def enabled() -> bool:
 
 
 class _MetricFile:
-    """The rank's metric file, opened on first use; one ``write(2)`` per call, so lines never interleave."""
+    """The rank's metric file, opened on first use; one ``write(2)`` per call, so lines never interleave.
+
+    A metric that cannot be written (a full or read-only temp folder, a quota) never ends the
+    training: its rows are counted, the first failure is said once on the rank's stderr, and the
+    count again as the rank exits (:func:`report_lost`). Writing is tried again at the next call,
+    so rows logged after space returns are kept.
+    """
 
     def __init__(self, path: str):
         self.path = path
         self._fd: int | None = None
         self._lock = threading.Lock()
+        self._torn = False  # a write stopped mid-line: the next one starts on a line of its own
+        self.lost = 0  # rows not written
+        self.error: OSError | None = None  # the first failure, as said
 
     def append(self, lines: str) -> None:
-        fd = self._fd
-        if fd is None:
-            with self._lock:
-                if self._fd is None:
-                    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
-                    self._fd = os.open(self.path, flags, 0o600)
-                fd = self._fd
-        data = lines.encode()
-        while data:  # a regular file takes it all at once; the loop is for the rule, not the case
-            data = data[os.write(fd, data) :]
+        with self._lock:  # one writer at a time: a torn line is repaired before the next
+            try:
+                self._write(("\n" if self._torn else "") + lines)
+                self._torn = False
+            except OSError as exc:
+                self._lost(lines.count("\n"), exc)
+
+    def _write(self, text: str) -> None:
+        if self._fd is None:
+            flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
+            self._fd = os.open(self.path, flags, 0o600)
+        data = text.encode()
+        while data:  # a regular file takes it all at once, or fails part-way when the disk fills
+            try:
+                data = data[os.write(self._fd, data) :]
+            except OSError:
+                self._torn = self._torn or len(data) < len(text.encode())
+                raise
+            if data:
+                self._torn = True  # a short write: what is left may not reach the file
+
+    def _lost(self, rows: int, exc: OSError) -> None:
+        self.lost += rows
+        if self.error is None:
+            self.error = exc
+            _files_with_losses.append(self)
+            sys.stderr.write(
+                f"[air_magic] metrics could not be written to {self.path} "
+                f"({exc.strerror or exc}): the training goes on; rows that cannot be written are "
+                "counted and the count is said when the rank ends\n"
+            )
+
+
+_files_with_losses: list[_MetricFile] = []
+
+
+def report_lost() -> None:
+    """Said as the rank ends: how many metric rows could not be written, and why (nothing if none)."""
+    for sink in _files_with_losses:
+        error = sink.error.strerror if sink.error is not None else "error"
+        sys.stderr.write(f"[air_magic] {sink.lost} metric row(s) were not stored: {sink.path}: {error}\n")
 
 
 _own_file: _MetricFile | None = None

@@ -78,7 +78,10 @@ def test_a_sessions_classes_pickle_in_later_cells_and_calls(ip):
     try:
         _cell(ip, "", "class Point:\n    def __init__(self, x):\n        self.x = x\np = Point(3)")
         assert _cell(ip, "", "import pickle\npickle.loads(pickle.dumps(p)).x") == [3, 3]
-        ip.run_cell("class Tag:\n    name = 'tag'\ndef use_tag():\n    import pickle\n    return pickle.loads(pickle.dumps(Tag())).name")
+        ip.run_cell(
+            "class Tag:\n    name = 'tag'\n"
+            "def use_tag():\n    import pickle\n    return pickle.loads(pickle.dumps(Tag())).name"
+        )
         assert started.run(ip.user_ns["use_tag"]) == ["tag", "tag"]
         # The session's own names are not replaced by the call's (only classes and functions are taken).
         assert _cell(ip, "", "p.x") == [3, 3]

@@ -1,0 +1,120 @@
+"""Full disks: a full temp folder under the ranks' metric files (issue 48 item 8), on a real small tmpfs.
+
+Logging a metric never ends the training: the rows that cannot be written are counted and said
+once, the rows logged once space returns are stored.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from helpers.tmpfs import small_tmpfs
+
+from air_magic import paths
+
+mlflow = pytest.importorskip("mlflow")
+from mlflow.tracking import MlflowClient  # noqa: E402
+
+fault = pytest.mark.fault
+
+# Each rank fills the temp folder, logs 5 metrics (not written), frees it, logs 3 (written).
+FILL_AND_LOG = r"""
+import os, sys, tempfile, time
+import air_magic
+
+@air_magic.distributed(num_accelerators=2, display="text", experiment="full-tmp")
+def train():
+    import mlflow
+    import torch.distributed as dist
+    air_magic.init_process_group()
+    rank = int(os.environ["RANK"])
+    filler = os.path.join(tempfile.gettempdir(), "filler")
+    if rank == 0:
+        fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+        try:
+            while True:
+                os.write(fd, b"x" * 65536)
+        except OSError:
+            os.close(fd)
+    dist.barrier()
+    for step in range(5):
+        mlflow.log_metric("loss", 1.0, step=step)  # the metric file cannot grow
+    dist.barrier()
+    if rank == 0:
+        os.remove(filler)
+    dist.barrier()
+    for step in range(5, 8):
+        mlflow.log_metric("loss", 0.5, step=step)
+    dist.destroy_process_group()
+    return rank
+
+started = time.monotonic()
+print("RESULT", train.distributed(), air_magic.last_run().tracking_url is not None)
+print("TOOK", time.monotonic() - started)
+"""
+
+
+@fault(
+    "the temp folder under the ranks' metric files is full while they log",
+    "the training goes on; the rows not written counted and said once per rank; later rows stored",
+)
+def test_a_full_temp_folder_never_ends_the_training(tmp_path):
+    with small_tmpfs(tmp_path / "tmp", "8m") as tmp:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+        store = tmp_path / "store"
+        env.update(TMPDIR=str(tmp), AIR_MAGIC_MLFLOW_DIR=str(store), MLFLOW_DISABLE_TELEMETRY="true")
+        env["AIR_MAGIC_WARM"] = "0"  # fresh ranks: no starter of this caller left in the tmpfs
+        done = subprocess.run(
+            [sys.executable, "-c", FILL_AND_LOG], capture_output=True, text=True, timeout=240, env=env
+        )
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-4000:]
+    assert "RESULT [0, 1]" in done.stdout, out[-4000:]
+    for rank in (0, 1):
+        mine = [line for line in out.splitlines() if f"[rank {rank}]" in line]
+        assert len([line for line in mine if "metrics could not be written" in line]) == 1, out[-4000:]
+        assert any("5 metric row(s) were not stored" in line for line in mine), out[-4000:]
+    client = MlflowClient(f"sqlite:///{store}/{paths.MLFLOW_DB}")
+    run = client.search_runs([client.get_experiment_by_name("full-tmp").experiment_id])[0]
+    steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss"))
+    assert steps == [5, 5, 6, 6, 7, 7], steps
+
+
+FAIL_WHILE_FULL = r"""
+import os, tempfile
+import air_magic
+
+@air_magic.distributed(num_accelerators=1, display="none", tracking=False)
+def train():
+    fd = os.open(os.path.join(tempfile.gettempdir(), "filler"), os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, b"x" * 65536)
+    except OSError:
+        pass
+    raise ValueError("boom while the disk is full")
+
+try:
+    train.distributed()
+except Exception as exc:
+    print("ERROR", type(exc).__name__, str(exc).replace(chr(10), " | "))
+"""
+
+
+@fault(
+    "a rank fails while the temp folder holding its call folder is full",
+    "the error says the error record could not be written and shows the rank's traceback",
+)
+def test_a_rank_failing_on_a_full_temp_folder_says_so(tmp_path):
+    with small_tmpfs(tmp_path / "tmp", "4m") as tmp:
+        env = {**os.environ, "TMPDIR": str(tmp), "AIR_MAGIC_WARM": "0"}
+        done = subprocess.run(
+            [sys.executable, "-c", FAIL_WHILE_FULL], capture_output=True, text=True, timeout=240, env=env
+        )
+    said = [line for line in done.stdout.splitlines() if line.startswith("ERROR")]
+    assert said, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "its error record could not be written" in said[0], said[0]
+    assert "ValueError: boom while the disk is full" in said[0], said[0]
