@@ -18,6 +18,7 @@ FORCE_CPU = "AIR_MAGIC_FORCE_CPU"  # '1': plan CPU ranks even when GPUs are visi
 CPU_RANKS = "AIR_MAGIC_CPU_RANKS"  # how many CPU ranks a machine without GPUs runs by default
 STACKS = "AIR_MAGIC_STACKS"  # how stacks are taken: 'auto' (py-spy if installed), 'py-spy' or 'signal'
 RAY_PLACE_WAIT = "AIR_MAGIC_RAY_PLACE_WAIT"  # seconds a Ray placement may take before the call fails
+RAY_INIT_TIMEOUT = "AIR_MAGIC_RAY_INIT_TIMEOUT"  # seconds ray_init may take to connect (default 60)
 RAY_JOB_PYTHON = "AIR_MAGIC_RAY_JOB_PYTHON"  # the cluster's Python for a detached run's job (python3)
 SUBMITTED_WITH = "AIR_MAGIC_SUBMITTED_WITH"  # in a Ray job: the submitter's air_magic version
 # torchrun's: seconds its agent waits after forwarding a stop signal before SIGKILL (stop_grace's default)

@@ -363,6 +363,43 @@ def test_ray_client_addresses_work_for_calls_and_ray_launch_and_are_refused_for_
 
 
 @fault(
+    "ray_init and a detached run given a loopback-only head's GCS address (127.0.0.1:PORT)",
+    "both connect (Ray's rewrite of 127.0.0.1 kept off); a head that does not answer: one error "
+    "within the bound",
+)
+def test_a_loopback_heads_gcs_address_connects_and_a_dead_one_fails_in_time(head, tmp_path, submitted):
+    """Issue 48 item 4: Ray rewrote 127.0.0.1 to the host's address and retried without end."""
+    (port_file,) = Path(HEAD["temp"], "session_latest").glob("gcs_server_port_*")
+    gcs = f"127.0.0.1:{port_file.read_text().strip()}"
+    env = {k: v for k, v in environment().items() if not k.startswith("RAY_")}  # as a user's shell
+    connect = f"import air_magic\ninfo = air_magic.ray_init({gcs!r})\nprint('NODES', info.nodes)"
+    done = subprocess.run(
+        [sys.executable, "-c", connect], env=env, capture_output=True, text=True, timeout=90
+    )
+    assert done.returncode == 0 and "NODES 1" in done.stdout, done.stderr[-3000:]
+    started = time.monotonic()
+    dead = "import air_magic\nair_magic.ray_init('127.0.0.1:1')"
+    env_short = {**env, "AIR_MAGIC_RAY_INIT_TIMEOUT": "5"}
+    done = subprocess.run(
+        [sys.executable, "-c", dead], env=env_short, capture_output=True, text=True, timeout=90
+    )
+    assert (
+        done.returncode != 0
+        and "could not connect to the Ray cluster at 127.0.0.1:1 within 5 s" in done.stderr
+    )
+    assert time.monotonic() - started < 45
+    project = _project(tmp_path)
+    done = _air_magic(
+        "run", "--no-tracking", "--cluster", f"ray={gcs}", "--detach", "-n", "2", "train.py",
+        env=env, cwd=project, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = re.search(r"detached run (\S+) started", done.stdout)
+    assert found, done.stdout
+    submitted.append(found.group(1))
+
+
+@fault(
     "a node of a detached run on Ray is lost mid-run (its processes SIGKILLed)",
     "the job's call fails naming the lost node; the follower elsewhere gets that error; its ranks are gone",
 )

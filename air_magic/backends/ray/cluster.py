@@ -37,6 +37,7 @@ from air_magic.errors import ConfigurationError
 from air_magic.protocol import env_names
 
 INSTALL_HINT = 'pip install "air_magic[ray]"'
+DEFAULT_INIT_TIMEOUT_S = 60.0  # a first local start takes 6-8 s here; a remote head, a second
 
 
 def require_ray() -> Any:
@@ -99,6 +100,8 @@ def ray_init(address: str | None = None, **ray_init_kwargs: Any) -> ClusterInfo:
         _safe_local_environment()
         if imported_before:
             _reload_ray_config()
+    elif address is not None and is_loopback(address):
+        keep_loopback(imported_before)
     ray = require_ray()
     if not ray.is_initialized():
         kwargs: dict[str, Any] = {"log_to_driver": False, "configure_logging": False}
@@ -120,7 +123,74 @@ def ray_init(address: str | None = None, **ray_init_kwargs: Any) -> ClusterInfo:
     return info
 
 
+def is_loopback(address: str) -> bool:
+    """``address`` (``host:port``, ``ray://host:port``, ``http://host:port``) names the loopback."""
+    host = address.split("://", 1)[-1].rpartition(":")[0] or address.split("://", 1)[-1]
+    return host == "localhost" or host.startswith("127.") or host in ("[::1]", "::1")
+
+
+def keep_loopback(imported_before: bool = True) -> None:
+    """A loopback address stays loopback: without ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (read when
+    Ray is imported) Ray replaces 127.0.0.1 with the host's address and, against a head that listens
+    on loopback only, retries every 5 s without end (../shared/NOTES.md)."""
+    os.environ.setdefault(env_names.RAY_LOCAL_ONLY, "0")
+    if imported_before:
+        try:
+            import importlib
+
+            ray_constants = importlib.import_module("ray._private.ray_constants")
+            setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)  # noqa: B010 - read when Ray was imported
+        except Exception:  # noqa: BLE001 - another Ray version: the bound below still holds
+            pass
+
+
+def init_timeout() -> float:
+    """Seconds a connection may take (``AIR_MAGIC_RAY_INIT_TIMEOUT``, default 60)."""
+    text = os.environ.get(env_names.RAY_INIT_TIMEOUT, "")
+    try:
+        return float(text) if text else DEFAULT_INIT_TIMEOUT_S
+    except ValueError:
+        raise ConfigurationError(
+            f"{env_names.RAY_INIT_TIMEOUT}={text!r} is not a number of seconds"
+        ) from None
+
+
 def _init(ray: Any, kwargs: dict[str, Any]) -> None:
+    """:func:`_init_once` within :func:`init_timeout`: Ray itself retries a cluster it cannot reach
+    without end (every 5 s), so the wait is bounded here, and the error says what was tried."""
+    import threading
+
+    if kwargs.get("address") == "local":  # a Ray of our own, started here: nothing to retry
+        _init_once(ray, kwargs)
+        return
+    done: list[BaseException | None] = []
+    thread = threading.Thread(
+        target=lambda: done.append(_caught(_init_once, ray, kwargs)), name="air_magic-ray-init", daemon=True
+    )
+    bound = init_timeout()
+    thread.start()
+    thread.join(bound)
+    if not done:
+        address = kwargs.get("address")
+        raise ConfigurationError(
+            f"could not connect to the Ray cluster at {address} within {bound:g} s (ray.init was still "
+            "retrying). Check that its head runs and that this machine can reach it; for a head on "
+            f"127.0.0.1, {env_names.RAY_LOCAL_ONLY}=0 must be set before Ray is imported (air_magic sets "
+            f"it for a loopback address). Set {env_names.RAY_INIT_TIMEOUT} to wait longer."
+        )
+    if done[0] is not None:
+        raise done[0]
+
+
+def _caught(fn: Any, *args: Any) -> BaseException | None:
+    try:
+        fn(*args)
+    except BaseException as exc:  # noqa: BLE001 - raised again on the caller's thread
+        return exc
+    return None
+
+
+def _init_once(ray: Any, kwargs: dict[str, Any]) -> None:
     """``ray.init``; for a Ray Client address, tried again when the head's client server fails to
     start the server of this connection: Ray's proxier forks it from a process with gRPC threads,
     and on a busy head it sometimes dies at once with empty logs (seen in 2 of 6 loopback runs

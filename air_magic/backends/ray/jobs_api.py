@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -29,11 +30,13 @@ LOGS_SUBFOLDER = "air_magic"  # under the Ray session's logs folder on the job's
 def client_for(address: str | None) -> Any:
     """Ray's ``JobSubmissionClient`` for the cluster at ``address`` (the dashboard's ``http://``
     address, or ``$RAY_ADDRESS``); a clear error when it cannot be reached."""
-    cluster.require_ray()
     # Ray's client takes $RAY_API_SERVER_ADDRESS, then $RAY_ADDRESS, over the address it is given:
     # an address given here wins (RAY_ADDRESS may be set for ray_init: host:6379, ray://).
     overrides = ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS")
     used = address or next((os.environ[name] for name in overrides if os.environ.get(name)), None)
+    if used and cluster.is_loopback(used):  # before Ray is imported, or it rewrites 127.0.0.1
+        cluster.keep_loopback("ray" in sys.modules)
+    cluster.require_ray()
     if used and used.startswith("ray://"):
         # Ray would connect as a Ray Client to ask the cluster for its dashboard's address, which is
         # often one only the cluster's own machines reach.
@@ -58,6 +61,13 @@ def client_for(address: str | None) -> Any:
         raise ConfigurationError(
             f"which Ray cluster? {exc}. Give cluster='ray=http://HEAD:8265' (its dashboard) "
             "or set RAY_ADDRESS"
+        ) from None
+    except Exception as exc:  # noqa: BLE001 - a GCS address: Ray asks it for the dashboard's (RpcError)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise LaunchError(
+            f"could not reach the Ray cluster at {used} to submit a detached run ({type(exc).__name__}: "
+            f"{first}). Give its dashboard's address (cluster='ray=http://HEAD:8265', "
+            "--cluster ray=http://HEAD:8265), what `ray job submit` uses"
         ) from None
 
 
