@@ -193,8 +193,10 @@ def open_private(path: str, flags: int = os.O_WRONLY | os.O_APPEND) -> int:
             ) from None
         raise
     try:
-        _check_own_file(path, os.fstat(fd))
-        os.fchmod(fd, 0o600)
+        info = os.fstat(fd)
+        _check_own_file(path, info)
+        if stat.S_IMODE(info.st_mode) != 0o600:  # already 0600: no write, so a read-only folder works
+            os.fchmod(fd, 0o600)
         os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)

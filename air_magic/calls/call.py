@@ -184,6 +184,7 @@ def prepare_call(
             run_name=settings.run_name,
             resume_run_id=settings.run_id,
             system_metrics=settings.system_metrics,
+            hidden=tuple(settings.env.values()),  # never recorded (a secret's place in the source)
         )
         run_owner = tracking.TrackedRunOwner(facts, log_root=settings.log_dir)
         run_owner.remember_active()
@@ -239,7 +240,7 @@ class PreparedCall:
                 timeout=self.settings.timeout,
                 stop_grace=stop_grace_s(self.settings.stop_grace),
                 exit_zero_succeeds=self.kind in ("script", "module"),
-                env={**(tracked.env if tracked else {}), **self.settings.env},
+                env={**_mlflow_env(run_owner, tracked), **self.settings.env},
                 log_root=self.settings.log_dir,
                 run_id=self.run_id,
                 channel=self.channel,
@@ -259,6 +260,16 @@ class PreparedCall:
             self.abandon()
             if run_owner is not None:
                 run_owner.end(outcome)
+
+
+def _mlflow_env(
+    run_owner: tracking.TrackedRunOwner | None, tracked: tracking.TrackedRun | None
+) -> dict[str, str]:
+    """The ranks' MLflow variables: the tracked run's, or, when the call runs untracked, a store
+    that cannot keep their own MLflow calls waiting on the one that failed."""
+    if tracked is not None:
+        return tracked.env
+    return dict(run_owner.untracked_env) if run_owner is not None else {}
 
 
 def _release(backend: Backend) -> None:

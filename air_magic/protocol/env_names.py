@@ -21,6 +21,8 @@ RAY_PLACE_WAIT = "AIR_MAGIC_RAY_PLACE_WAIT"  # seconds a Ray placement may take 
 RAY_INIT_TIMEOUT = "AIR_MAGIC_RAY_INIT_TIMEOUT"  # seconds ray_init may take to connect (default 60)
 RAY_JOB_PYTHON = "AIR_MAGIC_RAY_JOB_PYTHON"  # the cluster's Python for a detached run's job (python3)
 SUBMITTED_WITH = "AIR_MAGIC_SUBMITTED_WITH"  # in a Ray job: the submitter's air_magic version
+MLFLOW_UI_AUTO = "AIR_MAGIC_MLFLOW_UI"  # 0: never start the UI server on its own; 1: even outside a kernel
+MLFLOW_UI_URL = "AIR_MAGIC_MLFLOW_UI_URL"  # the browser's address of the UI server, "{port}" filled in
 # torchrun's: seconds its agent waits after forwarding a stop signal before SIGKILL (stop_grace's default)
 TORCH_SHUTDOWN_TIMEOUT = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
 
@@ -32,6 +34,24 @@ RAY_USAGE_STATS = "RAY_USAGE_STATS_ENABLED"
 # Measured on Ray 2.60 (NOTES.md): with this set to 0 before start, every listener binds
 # 127.0.0.1; _node_ip_address alone is silently replaced by the machine's address.
 RAY_LOCAL_ONLY = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+# -- MLflow's and JupyterHub's own, which the MLflow UI server uses (tracking/ui.py, ui_server.py) ------
+MLFLOW_BACKEND_STORE_URI = "MLFLOW_BACKEND_STORE_URI"  # the UI server's store (never on a command line)
+MLFLOW_SERVER_JOB_EXECUTION = "MLFLOW_SERVER_ENABLE_JOB_EXECUTION"  # MLflow's job runner, off for the UI
+JUPYTERHUB_SERVICE_PREFIX = "JUPYTERHUB_SERVICE_PREFIX"  # /user/NAME/: the proxy's path to the UI
+JUPYTERHUB_PUBLIC_URL = "JUPYTERHUB_PUBLIC_URL"  # https://HUB/user/NAME/ where the hub knows it
+JUPYTERHUB_HOST = "JUPYTERHUB_HOST"  # https://NAME.HUB on a hub with one subdomain per user
+# What the shared UI server gets of its starter's environment (ui_server.minimal_environment): what
+# runs Python and MLflow, never the rest (a kernel's secrets; the server lives up to a day).
+UI_SERVER_KEPT = frozenset(
+    {
+        "PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "LD_LIBRARY_PATH",
+        "VIRTUAL_ENV",
+    }
+)  # fmt: skip
+UI_SERVER_KEPT_PREFIXES = ("LC_", "PYTHON", "MLFLOW_")
+# ...but of MLflow's, none that names a credential or another server (a tracking URI may hold a password)
+UI_SERVER_DROPPED_WORDS = ("TOKEN", "PASSWORD", "SECRET", "KEY", "CREDENTIAL", "USERNAME", "AUTH", "TRACKING")
 
 # -- rank variables -----------------------------------------------------------------------
 RUN_ID = "AIR_MAGIC_RUN_ID"  # the call's id; set means "this process is a rank"

@@ -22,6 +22,7 @@ import sys
 import warnings
 
 from air_magic import paths
+from air_magic.protocol import env_names
 
 # How long a remote server gets to answer a health check, to create the call's run (both also
 # bounded by the call's timeout), and to confirm the run's end. Why these: a server that is up
@@ -32,6 +33,11 @@ from air_magic import paths
 REMOTE_CHECK_S = 5.0
 REMOTE_SETUP_S = 30.0
 REMOTE_END_S = 30.0
+# Where the ranks of an untracked call send their own MLflow calls: a store in each rank's memory.
+# Why not the store that failed: MLflow's retries would hold the ranks' first ``log_metric`` for
+# minutes; why not a file store: MLflow 3 refuses one by default, and ranks opening one sqlite
+# file at once race to make its tables. What the ranks log there is not kept.
+UNTRACKED_RANK_URI = "sqlite:///:memory:"
 
 
 def is_remote(uri: str) -> bool:
@@ -56,7 +62,9 @@ def unreachable(uri: str, seconds: float) -> str | None:
     One request to its ``/health``, with MLflow's own credentials and TLS settings, no retry,
     ``seconds`` to connect and as much to answer: a refused connection fails at once and a
     server that accepts but never answers after ``seconds``, where MLflow's defaults (7
-    retries, 120 s each) would hold every call for minutes. Any HTTP answer counts as up.
+    retries, 120 s each) would hold every call for minutes. Any HTTP answer below 500 counts as
+    up (a 404 may be a server under a path prefix; what is not MLflow fails the run's creation,
+    and the call runs untracked then too); a 5xx, which MLflow would retry for minutes, does not.
 
     ``http_request`` and ``get_default_host_creds`` are not MLflow's public API (docs/
     architecture.md, "Private MLflow APIs we depend on"): when an MLflow release moves or
@@ -69,7 +77,7 @@ def unreachable(uri: str, seconds: float) -> str | None:
         _warn(f"cannot check {uri} quickly before the call ({exc}); MLflow's own retries apply")
         return None
     try:
-        http_request(
+        answer = http_request(
             get_default_host_creds(uri),
             "/health",
             "GET",
@@ -90,14 +98,26 @@ def unreachable(uri: str, seconds: float) -> str | None:
         # One line, cut: MLflow's errors can carry a whole HTML error page or a long traceback.
         first_line = (text.splitlines() or [type(exc).__name__])[0]  # an exception may have no text
         return f"could not be reached ({first_line[:300]})"
+    status = getattr(answer, "status_code", None)
+    if isinstance(status, int) and status >= 500:  # a proxy that cannot reach it, a server down
+        return f"answered HTTP {status} to /health"  # MLflow would retry such answers for minutes
     return None
 
 
 def say_untracked(uri: str, why: str, log_root: str | None) -> None:
-    """One loud line: the call goes on, but MLflow will not have it."""
+    """One loud line: the call goes on, but MLflow will not have it; where the ranks' own MLflow
+    calls go instead (:data:`UNTRACKED_RANK_URI`)."""
+    if uri == paths.embedded_mlflow_uri():
+        subject = f"the embedded MLflow store {paths.embedded_mlflow_dir()}"
+        why = f"{why} (set {env_names.MLFLOW_DIR} to a folder you can write, or pass tracking=False)"
+    elif is_remote(uri):
+        subject = f"the MLflow tracking server {uri}"
+    else:
+        subject = f"the MLflow tracking store {uri or '(unknown)'}"
     print(
-        f"air_magic: WARNING: the MLflow tracking server {uri} {why}: this call runs UNTRACKED "
-        f"(its rank logs are kept under {log_root or paths.default_log_root()})",
+        f"air_magic: WARNING: {subject} {why}: this call runs UNTRACKED "
+        f"(its rank logs are kept under {log_root or paths.default_log_root()}; the ranks' own "
+        f"MLflow calls go to {UNTRACKED_RANK_URI}, an in-memory store, and are not kept)",
         file=sys.stderr,
         flush=True,
     )

@@ -6,7 +6,12 @@
 - **Nesting.** With an active run in the notebook, the call's run is its child.
 - **Ranks** get ``MLFLOW_TRACKING_URI``, ``MLFLOW_EXPERIMENT_ID`` and
   ``MLFLOW_RUN_ID``; ``worker/mlflow_hook.py`` keeps a rank from ending or renaming the
-  shared run, and makes a run a rank starts for itself a child of it.
+  shared run, and makes a run a rank starts for itself a child of it. A call that runs
+  untracked gives them ``MLFLOW_TRACKING_URI=sqlite:///:memory:`` instead
+  (:data:`~air_magic.tracking.remote.UNTRACKED_RANK_URI`), never the store that failed.
+- **Untracked, not failed.** Any failure to set the run up (a server down, one that is not
+  MLflow, a read-only embedded store) runs the call untracked with one line; air_magic's own
+  refusals (:class:`~air_magic.errors.ConfigurationError`) still fail it.
 - **Metrics** a rank logs with ``mlflow.log_metric``/``log_metrics`` go through
   a file to this process's :class:`~air_magic.tracking.metric_writer.MetricWriter`, which
   writes them in batches (``AIR_MAGIC_METRICS=direct``: MLflow's own path).
@@ -14,6 +19,9 @@
   rank's log, the outcome; status FINISHED, FAILED (rank failure, timeout) or
   KILLED (interrupt), set in a ``finally``. Runs the ranks started under it and
   left RUNNING (a killed rank) end with it.
+- **Never recorded:** a value given in ``env=`` (:attr:`CallFacts.hidden`): the source
+  (whose decorator line may hold it), the parameters, the tags and the run name show
+  :data:`HIDDEN` in its place (what the user's code itself prints is logged as printed).
 - **Never on the caller's thread.** ``import mlflow`` and every MLflow request
   run on helper threads (:func:`~air_magic.tracking.mlflow_import.import_mlflow`,
   :class:`TrackedRunOwner`); the caller's thread only waits. So an interrupt at any
@@ -47,6 +55,7 @@ from typing import Any
 
 from air_magic import paths, private_files
 from air_magic._version import __version__
+from air_magic.errors import ConfigurationError
 from air_magic.launch.accelerators import AcceleratorPlan
 from air_magic.protocol import env_names
 from air_magic.protocol.events import Event, Outcome, RecordLink, RunFinished, RunStarted
@@ -269,6 +278,20 @@ class CallFacts:
     run_name: str | None
     resume_run_id: str | None = None  # run_id=: an existing MLflow run to continue (tracking/resume.py)
     system_metrics: bool = True
+    hidden: tuple[str, ...] = ()  # values of env=: never in the source, a param, a tag (:func:`redact`)
+
+
+HIDDEN = "***"  # what the recorded source, params and tags show where a value of env= was
+# A value shorter than this is no secret ("1", "gloo"), and hiding it would garble the source.
+HIDDEN_MIN_CHARS = 4
+
+
+def redact(text: str, hidden: tuple[str, ...]) -> str:
+    """``text`` with every occurrence of each of ``hidden`` (of :data:`HIDDEN_MIN_CHARS` or more)
+    replaced by :data:`HIDDEN`; the longest first, so that one value inside another goes whole."""
+    for value in sorted({v for v in hidden if len(v) >= HIDDEN_MIN_CHARS}, key=len, reverse=True):
+        text = text.replace(value, HIDDEN)
+    return text
 
 
 _NOT_READ = object()
@@ -302,7 +325,9 @@ class TrackedRunOwner:
         self._ready = threading.Event()  # the run exists, or will not be made
         self.uri = ""
         self._tracked: TrackedRun | None = None
-        self._unreachable: str | None = None
+        self._unreachable: str | None = None  # why the call runs untracked
+        # The ranks' MLflow variables when the call runs untracked (calls/call.py gives them).
+        self.untracked_env: dict[str, str] = {}
         self._error: BaseException | None = None
         self._active: Any = _NOT_READ
 
@@ -342,15 +367,19 @@ class TrackedRunOwner:
         limit = remote.setup_wait_s(self.uri, self._timeout)
         if not self._ready.wait(limit):
             self._jobs.put("untracked")  # the run, when it comes, is ended at once
-            remote.say_untracked(
-                self.uri, f"did not create this call's run within {limit:g} s", self._log_root
-            )
+            self._go_untracked(f"did not create this call's run within {limit:g} s")
             return None
         if self._error is not None:
             raise self._error
         if self._unreachable is not None:
-            remote.say_untracked(self.uri, self._unreachable, self._log_root)
+            self._go_untracked(self._unreachable)
         return self._tracked
+
+    def _go_untracked(self, why: str) -> None:
+        """The call runs without its run: one line says why, and the ranks' own MLflow calls are
+        pointed away from the store that failed (:data:`~air_magic.tracking.remote.UNTRACKED_RANK_URI`)."""
+        self.untracked_env = {"MLFLOW_TRACKING_URI": remote.UNTRACKED_RANK_URI}
+        remote.say_untracked(self.uri, why, self._log_root)
 
     def end(self, outcome: str) -> None:
         """End the call's run with ``outcome``: now, or as soon as it exists. Call it in a ``finally``."""
@@ -362,13 +391,20 @@ class TrackedRunOwner:
     def _own(self, mlflow: Any, active: Any) -> None:
         """The owner thread: find the store, create the run, then do its work until its end."""
         try:
-            self.uri = store.tracking_uri(mlflow, active)
+            self.uri = store.chosen_uri(mlflow, active)
             self._uri_known.set()
             if remote.is_remote(self.uri):
                 check_s = remote.check_s(remote.setup_wait_s(self.uri, self._timeout))
                 self._unreachable = remote.unreachable(self.uri, check_s)
+            else:
+                self._unreachable = store.unusable(self.uri)
             if self._unreachable is None:
                 self._tracked = _create_run(self.uri, active, self._jobs, self._call)
+        except ConfigurationError as exc:  # a refusal of ours (a store folder others can write, run_id=)
+            self._error = exc
+        except Exception as exc:  # noqa: BLE001 - any other failure to set the run up: untracked
+            # (a server that answers but is not MLflow, a store that cannot be written...)
+            self._unreachable = _setup_failed(exc)
         except BaseException as exc:  # noqa: BLE001 - raised again on the caller's thread
             self._error = exc
         finally:
@@ -386,15 +422,18 @@ def _create_run(
 
     with store.setup_lock(uri):
         client = MlflowClient(tracking_uri=uri)
-    store.end_orphaned_runs(client, uri)
     resume_id = resume.run_to_resume(call.resume_run_id, active)
     if resume_id is not None:
+        store.end_orphaned_runs(client, uri)  # before the run to resume is checked (it may be one)
         if not jobs.empty():
             return None
         return _track(client, uri, jobs, call, resume.reopen(client, uri, resume_id, call.experiment))
+    # The experiment first: a store that cannot take the run (a web server that is not MLflow's)
+    # fails here, and the call runs untracked without a warning from the upkeep below too.
     experiment_id = store.experiment_id(client, uri, active, call.experiment)
+    store.end_orphaned_runs(client, uri)
     tags = {
-        "mlflow.source.name": call.name,
+        "mlflow.source.name": redact(call.name, call.hidden),
         "mlflow.source.type": "NOTEBOOK" if call.kind == "cell" else "LOCAL",
     }
     tags["air_magic.kind"] = call.kind
@@ -404,7 +443,9 @@ def _create_run(
         tags["mlflow.parentRunId"] = active.info.run_id
     if not jobs.empty():
         return None  # the call was interrupted while its run was being prepared: nothing to record
-    run = client.create_run(experiment_id, run_name=call.run_name or _run_name(call.name), tags=tags)
+    run_name = redact(call.run_name or _run_name(call.name), call.hidden)
+    tags = {key: redact(value, call.hidden) for key, value in tags.items()}
+    run = client.create_run(experiment_id, run_name=run_name, tags=tags)
     return _track(client, uri, jobs, call, resume.Reopened(run.info.run_id, experiment_id, 1, existing=False))
 
 
@@ -436,7 +477,7 @@ def _track(
                 client.set_tag(run.run_id, key, value)
         _describe_call(tracked, call, run)
     except BaseException:
-        jobs.put(Outcome.FAILED)  # the run exists: end it with the call, which fails with this error
+        jobs.put("untracked")  # the run exists: end it now; the call goes on without it
         tracked.serve()
         raise
     return tracked
@@ -462,16 +503,19 @@ def _describe_call(tracked: TrackedRun, call: CallFacts, run: resume.Reopened) -
     # A resumed run keeps its parameters (MLflow never changes one): what this call does
     # differently goes in beside them, under its call number.
     fresh = {}
-    for key, value in params.items():
+    for key, raw in params.items():
+        value = redact(str(raw), call.hidden)
         if key not in run.params:
-            fresh[key] = str(value)
-        elif run.params[key] != str(value):
-            fresh[f"call-{run.call_number}.{key}"] = str(value)
+            fresh[key] = value
+        elif run.params[key] != value:
+            fresh[f"call-{run.call_number}.{key}"] = value
     if fresh:
         client.log_batch(run_id, params=[Param(k, v) for k, v in fresh.items()])
     if call.source:
         folder = "source" if run.call_number == 1 else f"source/call-{run.call_number}"
-        client.log_text(run_id, call.source, f"{folder}/{store.safe_name(call.name)}.py")
+        # The source's decorator line (or a cell's magic line) may hold a secret given in env=.
+        source = redact(call.source, call.hidden)
+        client.log_text(run_id, source, f"{folder}/{store.safe_name(call.name)}.py")
     env = {
         "MLFLOW_TRACKING_URI": uri,
         "MLFLOW_EXPERIMENT_ID": experiment_id,
@@ -485,6 +529,13 @@ def _describe_call(tracked: TrackedRun, call: CallFacts, run: resume.Reopened) -
     tracked.url = _link(uri, experiment_id, run_id)
     tracked.env = env
     tracked.metrics = metrics
+
+
+def _setup_failed(exc: BaseException) -> str:
+    """Why setting the call's run up failed, in one short line (MLflow's errors can carry a whole
+    HTML page or a traceback)."""
+    text = (str(exc).splitlines() or [""])[0].strip()
+    return f"could not take this call's run ({type(exc).__name__}: {text[:300]})"
 
 
 def _link(uri: str, experiment_id: str, run_id: str) -> str | None:

@@ -50,13 +50,43 @@ def current_uri() -> str:
 
 
 def tracking_uri(mlflow: Any, active: Any) -> str:
-    """The user's store when they chose one (or use one: an active run or experiment), else ours."""
+    """The user's store when they chose one (or use one: an active run or experiment), else ours
+    (prepared: :func:`prepare_embedded`)."""
+    uri = chosen_uri(mlflow, active)
+    if uri == paths.embedded_mlflow_uri():
+        prepare_embedded()
+    return uri
+
+
+def chosen_uri(mlflow: Any, active: Any) -> str:
+    """:func:`tracking_uri` without touching the embedded store's folder."""
     if _user_set_tracking_uri() or active is not None or active_experiment_id() is not None:
         return str(mlflow.get_tracking_uri())
-    private_files.private_store(
-        paths.embedded_mlflow_dir(), paths.MLFLOW_DB, [paths.MLFLOW_ARTIFACTS]
-    )  # before MLflow opens it
     return paths.embedded_mlflow_uri()
+
+
+def prepare_embedded() -> None:
+    """The embedded store's folder checked, its files private, before MLflow opens it."""
+    private_files.private_store(paths.embedded_mlflow_dir(), paths.MLFLOW_DB, [paths.MLFLOW_ARTIFACTS])
+
+
+def unusable(uri: str) -> str | None:
+    """Why the embedded store cannot take a run now (a folder it cannot write), or None; the
+    embedded store prepared. Another store: None (its own requests say what is wrong with it).
+
+    A folder that is not ours alone is refused with the :class:`ConfigurationError` of
+    :func:`~air_magic.private_files.private_root` (a security refusal, not a reason to run untracked).
+    """
+    if uri != paths.embedded_mlflow_uri():
+        return None
+    folder = paths.embedded_mlflow_dir()
+    if os.path.isdir(folder) and not os.access(folder, os.W_OK):
+        return "is read-only"  # every tracked call would fail writing to it
+    try:
+        prepare_embedded()
+    except OSError as exc:
+        return f"cannot be written ({exc.strerror or exc}: {exc.filename or folder})"
+    return None
 
 
 def _user_set_tracking_uri() -> bool:

@@ -23,13 +23,14 @@ jupyter-server-proxy installed, the proxy's path (``/user/NAME/proxy/PORT/``);
 ``AIR_MAGIC_MLFLOW_UI_URL`` (a template with ``{port}``) overrides both.
 ``AIR_MAGIC_MLFLOW_UI=0`` turns the automatic start off, ``=1`` on everywhere.
 Security (docs/security.md): loopback only, umask 077, and no automatic start where
-other users' processes are visible, since loopback is shared with them.
+other users' processes are visible (looked at before each start), since loopback is
+shared with them; the server answers only the link's own Host names and origins
+(:func:`allowed_names`), and gets a minimal environment (``ui_server.minimal_environment``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import importlib.util
 import os
@@ -40,12 +41,15 @@ import sys
 import time
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 
 from air_magic import paths, private_files
+from air_magic.protocol import env_names
 from air_magic.tracking import ui_server
 
-AUTO_ENV = "AIR_MAGIC_MLFLOW_UI"  # 0: never start one on its own; 1: start one even outside a kernel
-URL_ENV = "AIR_MAGIC_MLFLOW_UI_URL"  # the browser's address of the server, "{port}" filled in
+AUTO_ENV = env_names.MLFLOW_UI_AUTO  # 0: never start one on its own; 1: start one even outside a kernel
+URL_ENV = env_names.MLFLOW_UI_URL  # the browser's address of the server, "{port}" filled in
+_DEFAULT_PORTS = {"http": 80, "https": 443}
 PORT_REUSE_WAIT_S = 1.0  # a start is rare (once a day, say): a second for the old port is cheap
 STOP_WAIT_S = 20.0  # the keeper gives the server ui_server.GRACE_S, then kills it; this covers both
 LOCK_WAIT_S = 5.0  # a call waits this long for the UI folder's lock, then goes on without a link
@@ -87,7 +91,8 @@ def run_url(uri: str, experiment_id: str, run_id: str) -> str | None:
         return f"{uri.rstrip('/')}/{fragment}"
     if is_server(uri):
         return None  # databricks: its workspace's pages, whose host this URI does not name
-    port = server_port(uri, start=auto_start_allowed(), wait_s=LOCK_WAIT_S)
+    # Asked only where no server runs, at each start: other users may have logged in since the last.
+    port = server_port(uri, start=auto_start_allowed, wait_s=LOCK_WAIT_S)
     return None if port is None else f"{browser_base(port)}/{fragment}"
 
 
@@ -98,9 +103,10 @@ def open_command(uri: str, run_id: str) -> str:
     return f"air-magic ui{store} --run {run_id}"
 
 
-def server_port(uri: str, *, start: bool, wait_s: float | None = None) -> int | None:
+def server_port(uri: str, *, start: bool | Callable[[], bool], wait_s: float | None = None) -> int | None:
     """The port of the UI server over ``uri`` (started first when ``start``), touched as in use.
 
+    ``start`` may be a question, asked only when no server runs (that is, before each start).
     ``wait_s``: how long to wait for the folder's lock (:class:`ui_server.LockBusy` after that).
     """
     uri = absolute(uri)
@@ -109,7 +115,7 @@ def server_port(uri: str, *, start: bool, wait_s: float | None = None) -> int | 
     try:
         state = ui_server.state_path(folder)
         record = _live_record(state, uri)
-        if record is None and not start:
+        if record is None and not (start() if callable(start) else start):
             return None
         if record is None:
             record = _start(folder, state, uri)
@@ -177,12 +183,61 @@ def browser_base(port: int) -> str:
     template = os.environ.get(URL_ENV)
     if template:
         return template.replace("{port}", str(port)).rstrip("/")
-    prefix = os.environ.get("JUPYTERHUB_SERVICE_PREFIX")
+    prefix = os.environ.get(env_names.JUPYTERHUB_SERVICE_PREFIX)
     if prefix and importlib.util.find_spec("jupyter_server_proxy") is not None:
         # The hub's user server proxies /user/NAME/proxy/PORT/ to 127.0.0.1:PORT; the browser
         # that shows the notebook reaches that path, never the server's loopback.
         return f"{prefix.rstrip('/')}/proxy/{port}"
     return f"http://127.0.0.1:{port}"
+
+
+def allowed_names(port: int) -> tuple[list[str], list[str]]:
+    """The Host headers and CORS origins the server on ``port`` answers: exactly those its link names.
+
+    Always ``127.0.0.1:PORT`` and ``localhost:PORT`` (MLflow allows loopback origins on its own).
+    A link of :data:`URL_ENV` (an SSH tunnel, a port forward, a proxy's public address) adds its
+    host and origin; the JupyterHub proxy's path (a link with no host) adds the hub's public host
+    where the hub names it (``JUPYTERHUB_PUBLIC_URL``, or ``JUPYTERHUB_HOST`` with subdomains),
+    since jupyter-server-proxy passes the browser's Host and Origin on unchanged. Never ``*``.
+    """
+    hosts = ui_server.loopback_hosts(port)
+    origins: list[str] = []
+    base = browser_base(port)
+    public = [base]
+    if "://" not in base:
+        public += [
+            os.environ.get(env_names.JUPYTERHUB_PUBLIC_URL, ""),
+            os.environ.get(env_names.JUPYTERHUB_HOST, ""),
+        ]
+    for address in public:
+        origin = _origin(address)
+        if origin is None:
+            continue
+        host = origin.split("://", 1)[1]
+        if host not in hosts:
+            hosts.append(host)
+        if origin not in origins:
+            origins.append(origin)
+    return hosts, origins
+
+
+def _origin(address: str) -> str | None:
+    """``scheme://host[:port]`` of an absolute http(s) address, as a browser sends it (None: not one)."""
+    try:
+        parsed = urllib.parse.urlsplit(address.strip())
+        port = parsed.port
+    except ValueError:
+        return None
+    if parsed.scheme not in _DEFAULT_PORTS or not parsed.hostname:
+        return None
+    host = parsed.hostname.lower()
+    if ":" in host:
+        host = f"[{host}]"  # IPv6, as in a Host header
+    if port is not None and port != _DEFAULT_PORTS[parsed.scheme]:
+        host = f"{host}:{port}"
+    if any(c in host for c in ",*"):
+        return None
+    return f"{parsed.scheme}://{host}"
 
 
 def auto_start_allowed() -> bool:
@@ -201,9 +256,9 @@ def _in_kernel() -> bool:
     return shell is not None and getattr(shell, "kernel", None) is not None
 
 
-@functools.lru_cache(maxsize=1)
 def other_users() -> tuple[int, ...]:
-    """Login accounts other than ours with processes on this machine (once per process).
+    """Login accounts other than ours with processes on this machine, as of now (asked before each
+    automatic start, never remembered: someone may log in after a kernel's first look).
 
     They share loopback with us, so a server there would show them our store. Processes of
     others that /proc hides (``hidepid``) are not seen: such a machine counts as ours alone.
@@ -255,13 +310,16 @@ def _start(folder: str, state: str, uri: str) -> dict[str, object]:
     _stop_leftovers(previous)
     _forget_old_states(folder, state)
     port = _free_port(previous.get("port"))
-    env = dict(os.environ, MLFLOW_BACKEND_STORE_URI=uri)  # not on a command line: it may hold a password
-    env.pop(ui_server.PROXY_ENV, None)
-    if not browser_base(port).startswith("http://127.0.0.1:"):
-        env[ui_server.PROXY_ENV] = "1"
+    # Only what runs Python and MLflow (the server lives up to a day; a kernel's secrets stay there),
+    # and the store, not on a command line: it may hold a password.
+    env = ui_server.minimal_environment(os.environ)
+    env[env_names.MLFLOW_BACKEND_STORE_URI] = uri
+    hosts, origins = allowed_names(port)
+    command = [sys.executable, "-m", "air_magic.tracking.ui_server", folder, str(port)]
+    command += ["--allowed-hosts", ",".join(hosts), "--allowed-origins", ",".join(origins)]
     with open(os.path.join(folder, paths.MLFLOW_UI_LOG), "ab", opener=private_files.opener) as log:
         keeper = subprocess.Popen(
-            [sys.executable, "-m", "air_magic.tracking.ui_server", folder, str(port)],
+            command,
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=log,

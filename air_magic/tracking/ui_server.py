@@ -1,6 +1,7 @@
 """The keeper of a store's shared MLflow UI server: runs ``mlflow server`` while it is wanted.
 
-    MLFLOW_BACKEND_STORE_URI=URI python -m air_magic.tracking.ui_server FOLDER PORT [--idle-s S] [--check-s S]
+    MLFLOW_BACKEND_STORE_URI=URI python -m air_magic.tracking.ui_server FOLDER PORT
+        [--allowed-hosts HOST[,HOST...]] [--allowed-origins ORIGIN[,ORIGIN...]] [--idle-s S] [--check-s S]
 
 ``tracking/ui.py`` starts this in a session of its own and records it in the
 folder's state file (:func:`state_path`: one per boot and pid namespace, so a
@@ -11,7 +12,11 @@ kernels. It runs ``mlflow server`` over the store on 127.0.0.1:PORT with umask
 077, its output in the 0600 FOLDER/ui.log, at a lower CPU priority than ranks
 (``nice``: its start takes seconds of CPU while a call's ranks start too). The
 store's URI travels in the environment, never on a command line (``/proc/*/cmdline``
-is readable by every local user, and a database URI may hold a password).
+is readable by every local user, and a database URI may hold a password). Its
+environment is :func:`minimal_environment` of its starter's, never the whole of it: the
+server lives up to a day, and a kernel's environment holds its secrets. The server
+answers only the Host names and CORS origins it is given (``--allowed-hosts``,
+``--allowed-origins``: the link's own, see ``ui.allowed_names``), never ``*``.
 
 It stops the server, with its whole process tree, when
 
@@ -35,18 +40,19 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping, Sequence
 
 from air_magic import paths, private_files
 from air_magic.process_tree import stop_trees
+from air_magic.protocol import env_names
 
 IDLE_S = 24 * 3600.0  # a day without a call: the notebooks are closed; the server's memory goes back
 CHECK_S = 30.0  # how often the state file is looked at: an idle stop a little late costs nothing
 GRACE_S = 5.0  # mlflow server's workers get this long after SIGTERM to exit on their own
 NICENESS = 10  # below the ranks: the server's start must not slow a call starting beside it
-PROXY_ENV = "AIR_MAGIC_MLFLOW_UI_PROXIED"  # set by ui.py when a proxy forwards the browser's Host
 # MLflow's job runner (a huey consumer pool, for server-side jobs that a UI over a store never
 # runs): on by default, it costs the server's start about 15 s of CPU and 8 more processes.
-JOB_EXECUTION_ENV = "MLFLOW_SERVER_ENABLE_JOB_EXECUTION"
+JOB_EXECUTION_ENV = env_names.MLFLOW_SERVER_JOB_EXECUTION
 
 
 def state_path(folder: str) -> str:
@@ -54,8 +60,16 @@ def state_path(folder: str) -> str:
     return os.path.join(folder, paths.MLFLOW_UI_STATE.format(space=private_files.pid_space()))
 
 
-def server_command(folder: str, port: int) -> list[str]:
-    """``mlflow server`` on loopback, as the keeper runs it (the store: MLFLOW_BACKEND_STORE_URI)."""
+def server_command(folder: str, port: int, hosts: Sequence[str], origins: Sequence[str] = ()) -> list[str]:
+    """``mlflow server`` on loopback, as the keeper runs it (the store: MLFLOW_BACKEND_STORE_URI).
+
+    ``hosts``: the Host headers it answers (MLflow compares each exactly, a ``*`` in one being a
+    pattern); ``origins``: the CORS origins it allows beside MLflow's own loopback ones. Neither
+    is ever ``*``: a browser page of any site could then read the store, or rebind a name of its
+    own to 127.0.0.1 (DNS rebinding) and delete runs.
+    """
+    if not hosts or any("*" in name or "," in name for name in (*hosts, *origins)):
+        raise ValueError(f"the UI server's allowed hosts and origins must be exact names: {hosts} {origins}")
     command = [
         sys.executable, "-m", "mlflow", "server",
         # Artifacts of experiments created through this server go beside the store, not into
@@ -63,18 +77,35 @@ def server_command(folder: str, port: int) -> list[str]:
         "--artifacts-destination", "file://" + os.path.join(folder, paths.MLFLOW_SERVED_ARTIFACTS),
         "--host", "127.0.0.1", "--port", str(port),
         "--workers", "1",
+        "--allowed-hosts", ",".join(hosts),
     ]  # fmt: skip
-    if os.environ.get(PROXY_ENV):
-        # Behind jupyter-server-proxy the browser's Host and Origin (the hub's name) reach the
-        # server unchanged; MLflow's default allows loopback names only. The server still
-        # listens on 127.0.0.1, where only this machine's processes (the proxy) reach it.
-        command += ["--allowed-hosts", "*", "--cors-allowed-origins", "*"]
+    if origins:
+        command += ["--cors-allowed-origins", ",".join(origins)]
     return command
 
 
-def server_environment(env: dict[str, str]) -> dict[str, str]:
-    """The server's environment: the keeper's, with MLflow's job runner off unless the user set it."""
-    return {JOB_EXECUTION_ENV: "false", **env}
+def loopback_hosts(port: int) -> list[str]:
+    """The Host headers that name the server on loopback, as a browser on this machine sends them."""
+    return [f"127.0.0.1:{port}", f"localhost:{port}"]
+
+
+def minimal_environment(env: Mapping[str, str]) -> dict[str, str]:
+    """What the keeper and its server get of their starter's environment: what runs Python and
+    MLflow (``env_names.UI_SERVER_KEPT``, ``LC_*``, ``PYTHON*``, ``MLFLOW_*`` but its credentials
+    and tracking variables), nothing else: not a kernel's secrets, for a server that lives a day."""
+    kept = {}
+    for name, value in env.items():
+        if name.startswith("MLFLOW_") and any(w in name for w in env_names.UI_SERVER_DROPPED_WORDS):
+            continue
+        if name in env_names.UI_SERVER_KEPT or name.startswith(env_names.UI_SERVER_KEPT_PREFIXES):
+            kept[name] = value
+    return kept
+
+
+def server_environment(env: Mapping[str, str]) -> dict[str, str]:
+    """The server's environment: the keeper's (minimal), with MLflow's job runner off unless the
+    user set it."""
+    return {JOB_EXECUTION_ENV: "false", **minimal_environment(env)}
 
 
 def read_record(path: str) -> dict[str, object] | None:
@@ -128,6 +159,12 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="air_magic.tracking.ui_server")
     parser.add_argument("folder")
     parser.add_argument("port", type=int)
+    parser.add_argument(
+        "--allowed-hosts",
+        default="",
+        help="comma-separated Host headers to answer (127.0.0.1:PORT, localhost:PORT)",
+    )
+    parser.add_argument("--allowed-origins", default="", help="comma-separated CORS origins to allow")
     parser.add_argument("--idle-s", type=float, default=IDLE_S)
     parser.add_argument("--check-s", type=float, default=CHECK_S)
     args = parser.parse_args(argv)
@@ -147,7 +184,12 @@ def main(argv: list[str]) -> int:
     private_files.private_subfolder(os.path.join(args.folder, paths.MLFLOW_SERVED_ARTIFACTS))
     with open(os.path.join(args.folder, paths.MLFLOW_UI_LOG), "ab", opener=private_files.opener) as log:
         server = subprocess.Popen(
-            server_command(args.folder, args.port),
+            server_command(
+                args.folder,
+                args.port,
+                [h for h in args.allowed_hosts.split(",") if h] or loopback_hosts(args.port),
+                [o for o in args.allowed_origins.split(",") if o],
+            ),
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=log,

@@ -9,6 +9,8 @@ names the command that opens the run.
 
 from __future__ import annotations
 
+import http.client
+import importlib.util
 import json
 import os
 import re
@@ -295,7 +297,10 @@ def test_the_links_address_follows_jupyterhub_and_the_users_template(monkeypatch
 
 
 def test_the_servers_job_runner_is_off_unless_the_user_turned_it_on():
-    assert ui_server.server_environment({"A": "1"}) == {"A": "1", ui_server.JOB_EXECUTION_ENV: "false"}
+    assert ui_server.server_environment({"PATH": "/bin"}) == {
+        "PATH": "/bin",
+        ui_server.JOB_EXECUTION_ENV: "false",
+    }
     wanted = {ui_server.JOB_EXECUTION_ENV: "true"}
     assert ui_server.server_environment(wanted) == wanted
 
@@ -303,7 +308,6 @@ def test_the_servers_job_runner_is_off_unless_the_user_turned_it_on():
 @pytest.mark.skipif(os.geteuid() != 0, reason="starting a process as another user needs root")
 def test_no_automatic_start_where_another_users_processes_run(monkeypatch):
     monkeypatch.delenv(mlflow_ui.AUTO_ENV, raising=False)
-    mlflow_ui.other_users.cache_clear()
     other = subprocess.Popen(["sleep", "60"], user=4321, group=4321)
     try:
         assert 4321 in mlflow_ui.other_users()
@@ -315,7 +319,116 @@ def test_no_automatic_start_where_another_users_processes_run(monkeypatch):
     finally:
         other.kill()
         other.wait()
-        mlflow_ui.other_users.cache_clear()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="starting a process as another user needs root")
+def test_other_users_are_looked_for_again_before_each_start(monkeypatch, store, tmp_path):
+    """A kernel that first looked while alone must not go on starting the UI once others log in
+    (issue 48, item 14): the look is made at each start, never remembered."""
+    monkeypatch.delenv(mlflow_ui.AUTO_ENV, raising=False)
+    monkeypatch.setattr(mlflow_ui, "_in_kernel", lambda: True)
+    assert 4322 not in mlflow_ui.other_users()
+    assert mlflow_ui.auto_start_allowed()  # alone: a call would start it
+    other = subprocess.Popen(["sleep", "60"], user=4322, group=4322)
+    try:
+        assert not mlflow_ui.auto_start_allowed()  # someone logged in since
+        # A call's link: no server runs, and none is started now.
+        assert mlflow_ui.run_url(store, "0", "0" * 32) is None
+        assert mlflow_ui.server_port(store, start=False) is None
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_only_the_links_own_names_are_allowed_never_a_wildcard(monkeypatch):
+    """What the server answers (issue 48, item 12): the link's host and origin, the hub's public
+    one behind jupyter-server-proxy, and the loopback names of its port; never ``*``."""
+    for name in (mlflow_ui.URL_ENV, "JUPYTERHUB_SERVICE_PREFIX", "JUPYTERHUB_PUBLIC_URL", "JUPYTERHUB_HOST"):
+        monkeypatch.delenv(name, raising=False)
+    loopback = ["127.0.0.1:5123", "localhost:5123"]
+    assert mlflow_ui.allowed_names(5123) == (loopback, ["http://127.0.0.1:5123"])
+    monkeypatch.setenv(mlflow_ui.URL_ENV, "http://localhost:{port}")
+    assert mlflow_ui.allowed_names(5123) == (loopback, ["http://localhost:5123"])
+    monkeypatch.setenv(mlflow_ui.URL_ENV, "https://Hub.Example:443/user/ada/proxy/{port}/")
+    assert mlflow_ui.allowed_names(5123) == ([*loopback, "hub.example"], ["https://hub.example"])
+    monkeypatch.delenv(mlflow_ui.URL_ENV)
+    if importlib.util.find_spec("jupyter_server_proxy") is not None:
+        monkeypatch.setenv("JUPYTERHUB_SERVICE_PREFIX", "/user/ada/")
+        assert mlflow_ui.allowed_names(5123) == (loopback, [])  # the hub's name unknown: none
+        monkeypatch.setenv("JUPYTERHUB_PUBLIC_URL", "https://hub.example:8443/user/ada/")
+        assert mlflow_ui.allowed_names(5123) == (
+            [*loopback, "hub.example:8443"],
+            ["https://hub.example:8443"],
+        )
+    with pytest.raises(ValueError):
+        ui_server.server_command("/f", 5123, ["*"])
+    with pytest.raises(ValueError):
+        ui_server.server_command("/f", 5123, loopback, ["*"])
+
+
+def _ask(port: int, method: str, path: str, headers: dict[str, str]) -> tuple[int, dict[str, str]]:
+    """One request to the server on loopback, with the headers a browser (or an attacker's page) sends."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request(method, path, body=b"{}" if method == "POST" else None, headers=headers)
+        reply = conn.getresponse()
+        reply.read()
+        return reply.status, {k.lower(): v for k, v in reply.getheaders()}
+    finally:
+        conn.close()
+
+
+def test_a_tunnel_link_allows_its_own_host_and_origin_and_no_other(store, monkeypatch):
+    """``AIR_MAGIC_MLFLOW_UI_URL=http://localhost:{port}`` (an SSH tunnel) once made the server
+    accept any Host and any origin: DNS rebinding and any page's cross-origin reads and deletes."""
+    monkeypatch.setenv(mlflow_ui.URL_ENV, "http://localhost:{port}")
+    base = mlflow_ui.ensure_ui(store, timeout_s=UP_WAIT_S)
+    port = int(base.rsplit(":", 1)[1])
+    assert base == f"http://localhost:{port}"
+    read = "/ajax-api/2.0/mlflow/experiments/search?max_results=1"
+    delete = "/ajax-api/2.0/mlflow/runs/delete"
+    # DNS rebinding: a name of the attacker's, resolved to 127.0.0.1, sends its own Host.
+    assert _ask(port, "GET", read, {"Host": "evil.example"})[0] == 403
+    assert _ask(port, "GET", read, {"Host": f"evil.example:{port}"})[0] == 403
+    assert _ask(port, "GET", read, {"Host": f"localhost:{port}"})[0] == 200
+    # Another site's page in the user's browser: its preflight for a delete is not allowed...
+    preflight = {
+        "Host": f"localhost:{port}",
+        "Origin": "http://evil.example",
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "content-type",
+    }
+    _, headers = _ask(port, "OPTIONS", delete, preflight)
+    assert headers.get("access-control-allow-origin") not in ("*", "http://evil.example"), headers
+    # ...nor is the delete itself, nor may it read what a GET answers.
+    post = {"Host": f"localhost:{port}", "Origin": "http://evil.example", "Content-Type": "application/json"}
+    assert _ask(port, "POST", delete, post)[0] == 403
+    _, headers = _ask(port, "GET", read, {"Host": f"localhost:{port}", "Origin": "http://evil.example"})
+    assert headers.get("access-control-allow-origin") not in ("*", "http://evil.example"), headers
+    # The link's own origin (the page the UI serves) is allowed.
+    _, headers = _ask(port, "OPTIONS", delete, {**preflight, "Origin": f"http://localhost:{port}"})
+    assert headers.get("access-control-allow-origin") == f"http://localhost:{port}", headers
+
+
+def test_the_ui_server_gets_a_minimal_environment_without_the_starters_secrets(store, monkeypatch):
+    """The shared server lives up to a day: it gets what runs Python and MLflow, never the starting
+    kernel's secrets (issue 48, item 14)."""
+    secret = f"s3cr3t-{os.getpid()}-{time.time_ns()}"
+    monkeypatch.setenv("MY_API_TOKEN", secret)
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", secret)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+    monkeypatch.setenv("LC_MESSAGES", "C")
+    mlflow_ui.ensure_ui(store, timeout_s=UP_WAIT_S)
+    record = _record()
+    pids = [int(record["keeper"].split("-", 1)[0]), int(record["server"].split("-", 1)[0])]
+    pids += [c.pid for c in psutil.Process(pids[1]).children(recursive=True)]
+    for pid in pids:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            environ = f.read()
+        assert secret.encode() not in environ, pid
+        names = {item.split(b"=", 1)[0].decode() for item in environ.split(b"\0") if item}
+        assert {"MY_API_TOKEN", "MLFLOW_TRACKING_PASSWORD", "AWS_SECRET_ACCESS_KEY"}.isdisjoint(names)
+        assert {"PATH", "LC_MESSAGES", "MLFLOW_BACKEND_STORE_URI"} <= names, (pid, names)
 
 
 def test_a_record_of_another_boot_or_container_is_never_trusted_nor_signalled(store):

@@ -140,7 +140,8 @@ def test_get_default_host_creds():
 
 
 def test_http_request():
-    """One GET to a remote server's ``/health``: no retry, bounded, any HTTP answer counts."""
+    """One GET to a remote server's ``/health``: no retry, bounded, any HTTP answer below 500 counts
+    (the answer's ``status_code`` is read: a 5xx, which MLflow retries for minutes, does not)."""
     name = "mlflow.utils.rest_utils.http_request"
     request = _api(name, "air_magic/tracking/remote.py")
     named = ("max_retries", "backoff_factor", "timeout", "raise_on_status")
@@ -153,6 +154,10 @@ def test_http_request():
             max_retries=0, backoff_factor=0, timeout=5, raise_on_status=False,
         )  # fmt: skip
         assert remote.unreachable(uri, 5) is None
+    with _http_server(502) as uri:
+        assert remote.unreachable(uri, 5) == "answered HTTP 502 to /health", (
+            f"{_who(name, 'air_magic/tracking/remote.py')}: the answer has no status_code any more"
+        )
     closed = f"http://127.0.0.1:{_closed_port()}"
     started = time.monotonic()
     why = remote.unreachable(closed, 5)

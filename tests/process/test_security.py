@@ -398,3 +398,50 @@ def test_with_nccl_every_listening_socket_of_a_rank_is_on_loopback():
     n = min(2, len(detect_gpus()))
     for ips in distributed(num_accelerators=n, display="none", tracking=False)(_nccl_listeners).distributed():
         assert ips == ["127.0.0.1"]
+
+
+SECRET_CALLER = """\
+import air_magic
+
+
+@air_magic.distributed(num_accelerators=2, display="none", run_name="hush", env={{"MY_TOKEN": "{secret}"}})
+def uses_the_token(n):
+    import os
+
+    return os.environ["MY_TOKEN"] == "{secret}", n
+
+
+print("RESULT", uses_the_token.distributed(3))
+"""
+
+
+def test_a_value_given_in_env_reaches_no_file_of_the_store_the_state_or_the_logs(store, tmp_path):
+    """The decorator line is part of the recorded source: a secret written there in ``env=`` must
+    not land in the run's ``source/`` artifact, a param, a tag or a log (issue 48, item 13)."""
+    secret = f"tok-{os.urandom(16).hex()}"
+    caller = tmp_path / "secret_caller.py"
+    caller.write_text(SECRET_CALLER.format(secret=secret))
+    state, logs = tmp_path / "state", tmp_path / "logs"
+    env = dict(os.environ, XDG_STATE_HOME=str(state), AIR_MAGIC_LOG_DIR=str(logs))
+    done = subprocess.run(
+        [sys.executable, str(caller)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "RESULT [(True, 3), (True, 3)]" in done.stdout, done.stdout
+    (run,) = store.search_runs([e.experiment_id for e in store.search_experiments()])
+    assert run.info.run_name == "hush"
+    source = store.download_artifacts(run.info.run_id, "source/uses_the_token.py", str(tmp_path / "dl"))
+    with open(source) as f:
+        recorded = f.read()
+    assert '"MY_TOKEN": "***"' in recorded and "def uses_the_token" in recorded, recorded
+    shutil.rmtree(tmp_path / "dl")
+    found = []
+    assert os.path.isdir(paths.embedded_mlflow_dir()) and os.path.isdir(logs)
+    for root in (paths.embedded_mlflow_dir(), str(state), str(logs)):  # state: if the call made one
+        for folder, _dirs, files in os.walk(root):
+            for name in files:
+                path = os.path.join(folder, name)
+                with open(path, "rb") as f:
+                    if secret.encode() in f.read():
+                        found.append(path)
+    assert found == []

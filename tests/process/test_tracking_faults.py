@@ -7,13 +7,18 @@ interrupts are real SIGINTs, sent at chosen moments of a call.
 
 from __future__ import annotations
 
+import http
+import http.server
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 from helpers.paths import HELPERS
@@ -172,3 +177,182 @@ def test_processes_opening_a_fresh_embedded_store_at_once_all_succeed(tmp_path):
     client = MlflowClient("sqlite:///" + str(tmp_path / "fresh" / "mlflow.db"))
     for report in reports:
         assert client.get_run(report["run"]).info.status == "FINISHED"
+
+
+RANKS_LOG_METRICS = (
+    "import os, time\n"
+    "from air_magic import distributed\n"
+    "def train():\n"
+    "    import mlflow\n"
+    "    mlflow.log_metric('loss', 0.5)\n"
+    "    return os.environ['MLFLOW_TRACKING_URI']\n"
+    "f = distributed(num_accelerators=2, display='none', timeout=40, warm_start=False)(train)\n"
+    "started = time.monotonic()\n"
+    "print(f.distributed(), round(time.monotonic() - started, 2))\n"
+)
+
+
+@fault(
+    "the ranks of a call that runs untracked (server down) call mlflow.log_metric themselves",
+    "their MLflow calls go to an in-memory store, said in the one untracked line; no wait on the server",
+)
+def test_the_ranks_of_an_untracked_call_do_not_wait_on_the_server_that_was_down(tmp_path):
+    uri = f"http://127.0.0.1:{_closed_port()}"
+    env = _caller_env(MLFLOW_TRACKING_URI=uri, AIR_MAGIC_MLFLOW_DIR=str(tmp_path / "m"))
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", RANKS_LOG_METRICS],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+            cwd=tmp_path,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("the ranks' mlflow.log_metric waited on the refusing server")
+    assert done.returncode == 0, done.stderr[-3000:]  # before: a timeout, the ranks in MLflow's retries
+    values, took = done.stdout.strip().splitlines()[-1].rsplit(" ", 1)
+    assert values == "['sqlite:///:memory:', 'sqlite:///:memory:']"
+    assert float(took) < 30, took
+    warnings = [line for line in done.stderr.splitlines() if "runs UNTRACKED" in line]
+    assert len(warnings) == 1 and uri in warnings[0], done.stderr[-3000:]
+    assert "the ranks' own MLflow calls go to sqlite:///:memory:" in warnings[0]
+    assert not (tmp_path / "mlruns").exists() and not (tmp_path / "mlflow.db").exists()
+
+
+class _NotMlflow(http.server.BaseHTTPRequestHandler):
+    """Another web app's port, or a proxy for hosts it cannot reach: every request gets an HTML error."""
+
+    def _answer(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        status = self.server.status  # type: ignore[attr-defined]
+        body = f"<html><body><h1>{status} {http.HTTPStatus(status).phrase}</h1></body></html>".encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _answer
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def not_mlflow(request: pytest.FixtureRequest) -> Iterator[str]:
+    """``http://127.0.0.1:<port>`` of a loopback web server that answers every request with
+    ``request.param`` (an HTTP status) and an HTML page."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _NotMlflow)
+    server.status = request.param  # type: ignore[attr-defined]
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(10)
+
+
+TIMED_UNTRACKED_CALLS = (
+    "import time\n"
+    "from air_magic import distributed\n"
+    "import air_magic\n"
+    "f = distributed(num_accelerators=2, display='none', timeout=30, warm_start=False)(lambda: 7)\n"
+    "for _ in range(2):\n"
+    "    started = time.monotonic()\n"
+    "    print(f.distributed(), air_magic.last_run().mlflow_run_id, round(time.monotonic() - started, 2))\n"
+)
+
+
+@fault(
+    "MLFLOW_TRACKING_URI answers HTTP but is not MLflow (another web app: 404 pages; a proxy: 502)",
+    "one loud line per call, the call runs untracked within the 5 s bound (no MlflowException, no retries)",
+)
+@pytest.mark.parametrize("not_mlflow", [404, 502], indirect=True)
+def test_a_tracking_uri_that_is_not_mlflow_runs_the_call_untracked_within_the_bound(not_mlflow, tmp_path):
+    from air_magic.tracking import remote
+
+    env = _caller_env(MLFLOW_TRACKING_URI=not_mlflow, AIR_MAGIC_MLFLOW_DIR=str(tmp_path / "m"))
+    done = subprocess.run(
+        [sys.executable, "-c", TIMED_UNTRACKED_CALLS],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]  # before (404): MlflowException, exit 1
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()[-2:]
+    assert [line.rsplit(" ", 1)[0] for line in lines] == ["[7, 7] None"] * 2, done.stdout
+    # The set-up's bound, plus the call itself (two fresh ranks; the first call imports mlflow).
+    took = [float(line.rsplit(" ", 1)[1]) for line in lines]
+    assert max(took) < remote.REMOTE_CHECK_S + 10, took  # before (502): 30 s, MLflow's retries
+    warnings = [line for line in done.stderr.splitlines() if "runs UNTRACKED" in line]
+    assert len(warnings) == 2 and all(not_mlflow in line for line in warnings), done.stderr[-3000:]
+
+
+@pytest.fixture
+def read_only_mount(tmp_path: Path) -> Iterator[tuple[Path, Callable[[], None]]]:
+    """A tmpfs (0700) to fill, and a function that remounts it read-only (chmod does not stop root)."""
+    point = tmp_path / "mnt"
+    point.mkdir()
+    if shutil.which("mount") is None or shutil.which("umount") is None:
+        pytest.skip("no mount(8) here")
+    made = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=16m,mode=0700", "tmpfs", str(point)], capture_output=True
+    )
+    if made.returncode != 0:
+        pytest.skip(f"mounting a tmpfs is not permitted here: {made.stderr.decode(errors='replace')}")
+
+    def make_read_only() -> None:
+        subprocess.run(["mount", "-o", "remount,ro", str(point)], check=True, capture_output=True)
+
+    try:
+        yield point, make_read_only
+    finally:
+        if subprocess.run(["umount", str(point)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(point)], capture_output=True)
+
+
+def test_open_private_reads_a_private_file_in_a_read_only_folder(read_only_mount):
+    from air_magic import private_files
+
+    point, make_read_only = read_only_mount
+    path = point / "mlflow.db"
+    path.write_bytes(b"")
+    path.chmod(0o600)
+    make_read_only()
+    private_files.create_private_file(str(path))  # before: fchmod on a read-only file system, EROFS
+    fd = private_files.open_private(str(path), os.O_RDONLY)
+    os.close(fd)
+
+
+@fault(
+    "the embedded store's folder (AIR_MAGIC_MLFLOW_DIR) is read-only",
+    "one loud line naming the folder and AIR_MAGIC_MLFLOW_DIR; the call runs untracked",
+)
+def test_a_read_only_embedded_store_runs_the_call_untracked_and_names_the_folder(
+    read_only_mount, new_store, tmp_path
+):
+    point, make_read_only = read_only_mount
+    folder = new_store(point / "store")  # a store as MLflow leaves a new one, 0600 in 0700
+    make_read_only()
+    env = _caller_env(AIR_MAGIC_MLFLOW_DIR=folder)
+    done = subprocess.run(
+        [sys.executable, "-c", UNTRACKED_CALLS],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]  # before: a bare OSError [Errno 30], no path
+    assert done.stdout.strip().splitlines()[-1] == "[7, 7] [7, 7] None"
+    warnings = [line for line in done.stderr.splitlines() if "runs UNTRACKED" in line]
+    assert len(warnings) == 2, done.stderr[-3000:]
+    assert all(folder in line and "AIR_MAGIC_MLFLOW_DIR" in line for line in warnings), warnings
+    assert "is read-only" in warnings[0]
