@@ -190,3 +190,20 @@ def test_a_starter_still_importing_exits_when_its_caller_goes(tmp_path, monkeypa
         if starter.proc.poll() is None:
             starter.proc.kill()
             starter.proc.wait()
+
+
+def _nvml_check():
+    import os
+
+    return os.getppid(), os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")
+
+
+def test_a_variable_the_kernels_imports_set_keeps_the_starter(starter, monkeypatch):
+    """Lightning's import sets PYTORCH_NVML_BASED_CUDA_CHECK in the kernel (issue 48 item 16): read at
+    each ``torch.cuda.is_available()``, it reaches the forked ranks and restarts no starter."""
+    fn = distributed(num_accelerators=2, display="none", tracking=False)(_nvml_check)
+    before = fn.distributed()
+    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    after = fn.distributed()
+    assert [parent for parent, _ in before] == [parent for parent, _ in after] == [starter.proc.pid] * 2
+    assert [value for _, value in after] == ["1", "1"]
