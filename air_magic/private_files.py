@@ -40,6 +40,7 @@ import re
 import shutil
 import stat
 import tempfile
+import time
 import urllib.parse
 from collections.abc import Iterable
 from typing import Any
@@ -313,19 +314,20 @@ def process_tag(pid: int) -> str:
     return f"{pid}-{_start_time(pid)}-{_pid_space()}"
 
 
-def sweep_dead_callers(folder: str | None = None) -> list[str]:
-    """Remove this user's temp folders whose caller is dead; return the names removed.
+def dead_callers_folders(kind: str | None = None, folder: str | None = None) -> list[str]:
+    """This user's temp folders (of ``kind``, or of any) whose caller is dead.
 
-    Only folders that name their owner (:func:`private_tempdir`) are touched,
-    and only those of this user, made in this pid namespace on this boot: a pid
-    from elsewhere (a container sharing /tmp) cannot be looked up here.
+    Only folders that name their owner (:func:`private_tempdir`) are looked at, and only those
+    of this user, made in this pid namespace on this boot: a pid from elsewhere (a container
+    sharing /tmp) cannot be looked up here.
     """
     folder = folder or tempfile.gettempdir()
+    prefix = f"{TEMP_PREFIX}{kind}-" if kind else TEMP_PREFIX
     try:
-        names = [n for n in os.listdir(folder) if n.startswith(TEMP_PREFIX)]
+        names = [n for n in os.listdir(folder) if n.startswith(prefix)]
     except OSError:
         return []
-    removed = []
+    found = []
     for name in names:
         owner = _OWNED_NAME.match(name)
         if owner is None or owner["space"] != _pid_space():
@@ -335,11 +337,40 @@ def sweep_dead_callers(folder: str | None = None) -> list[str]:
             info = os.lstat(path)
         except OSError:
             continue
-        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
-            continue
-        if not _alive(int(owner["pid"]), int(owner["start"])):
-            shutil.rmtree(path, ignore_errors=True)  # never follows links; another sweeper may race us
-            removed.append(name)
+        mine = stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid()
+        if mine and not _alive(int(owner["pid"]), int(owner["start"])):
+            found.append(path)
+    return found
+
+
+def remove_tree(path: str) -> None:
+    """Remove a folder of ours; never follows links; another sweeper may race us."""
+    shutil.rmtree(path, ignore_errors=True)
+
+
+# A dead caller's metric folder that names its run waits for the run's import (tracking/
+# metric_writer.import_left_behind, at the next tracked call into that store) this long at most.
+METRICS_KEPT_S = 7 * 24 * 3600
+
+
+def sweep_dead_callers(folder: str | None = None) -> list[str]:
+    """Remove this user's temp folders whose caller is dead; return the names removed.
+
+    A metric folder that names its MLflow run is left for that run's import (its rows are the
+    training's record), unless it is older than :data:`METRICS_KEPT_S`.
+    """
+    removed = []
+    for path in dead_callers_folders(None, folder):
+        name = os.path.basename(path)
+        if name.startswith(f"{TEMP_PREFIX}{paths.METRICS_KIND}-"):
+            try:
+                named = os.stat(os.path.join(path, paths.METRICS_RUN_FILE)).st_mtime
+            except OSError:
+                named = None
+            if named is not None and time.time() - named < METRICS_KEPT_S:
+                continue
+        remove_tree(path)
+        removed.append(name)
     return removed
 
 

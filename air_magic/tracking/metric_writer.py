@@ -17,6 +17,12 @@ Why one writer in the caller rather than each rank batching for itself:
 
 Lines that cannot be written (the store is down) are kept and retried on the
 next pass; what is still unwritten at the end is reported in one warning.
+
+A caller killed mid-call (SIGKILL, a kernel restart, a detached run's supervisor)
+leaves its metric folder behind with the rows it had not written yet. The folder
+names its run (:data:`~air_magic.paths.METRICS_RUN_FILE`), and the next process
+that ends that run as orphaned imports every row first (:func:`import_left_behind`,
+called by ``store.end_orphaned_runs``; the embedded store ignores rows it already has).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import threading
 import warnings
 from typing import Any
 
+from air_magic import paths, private_files
 from air_magic.threads import start_in_context
 from air_magic.tracking import metric_rows
 
@@ -55,6 +62,12 @@ class MetricWriter:
         self._lock = threading.Lock()  # one pass at a time: the thread's and close()'s
         self._warned = False
         self._thread: threading.Thread | None = None
+        with contextlib.suppress(OSError):  # for an import after a kill; a full disk costs only that
+            fd = os.open(os.path.join(directory, paths.METRICS_RUN_FILE), os.O_WRONLY | os.O_CREAT, 0o600)
+            try:
+                os.write(fd, run_id.encode())
+            finally:
+                os.close(fd)
 
     def start(self) -> None:
         if self._thread is None:
@@ -90,6 +103,8 @@ class MetricWriter:
         """Read new lines and write them; False when the store refused a batch (they stay pending)."""
         with self._lock:
             for name in sorted(os.listdir(self.directory)) if os.path.isdir(self.directory) else []:
+                if not name.endswith(".tsv"):
+                    continue  # the run's name (METRICS_RUN_FILE)
                 for line in self._new_lines(os.path.join(self.directory, name)):
                     try:
                         key, value, timestamp, step = line.split("\t")
@@ -132,3 +147,25 @@ class MetricWriter:
             self._warned = True
             with contextlib.suppress(Exception):
                 warnings.warn(f"air_magic: {message}", RuntimeWarning, stacklevel=2)
+
+
+def import_left_behind(client: Any, run_id: str, folder: str | None = None) -> int:
+    """Import the rows a dead caller's metric folders hold for ``run_id``, then remove those folders.
+
+    Returns the rows found. Only folders whose owner is dead are read (a live caller's writer is
+    still at work); each is read whole: the sqlite sink ignores rows the store already has.
+    """
+    found = 0
+    for path in private_files.dead_callers_folders(paths.METRICS_KIND, folder):
+        try:
+            with open(os.path.join(path, paths.METRICS_RUN_FILE)) as f:
+                if f.read().strip() != run_id:
+                    continue
+        except OSError:
+            continue
+        writer = MetricWriter(client, run_id, path)
+        writer.write_pass()
+        found += writer.written
+        if not writer._pending:
+            private_files.remove_tree(path)
+    return found

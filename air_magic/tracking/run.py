@@ -524,7 +524,7 @@ def _describe_call(tracked: TrackedRun, call: CallFacts, run: resume.Reopened) -
     }
     metrics = None
     if os.environ.get(env_names.METRICS_MODE, "batched") != "direct":
-        metrics = MetricWriter(client, run_id, private_files.private_tempdir("metrics"))  # 0700
+        metrics = MetricWriter(client, run_id, private_files.private_tempdir(paths.METRICS_KIND))  # 0700
         env[env_names.METRICS_DIR] = metrics.directory
     tracked.url = _link(uri, experiment_id, run_id)
     tracked.env = env

@@ -33,6 +33,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from air_magic import paths, private_files
+from air_magic.tracking import metric_writer
 from air_magic.tracking.mlflow_import import import_mlflow
 
 _reaped: set[str] = set()  # tracking URIs already checked for runs whose caller died
@@ -235,11 +236,14 @@ def end_orphaned_runs(client: Any, uri: str) -> None:
         )
         for run in runs:
             if not caller_alive(run.data.tags.get("air_magic.caller", "")):
+                # The rows its ranks wrote and it had not stored yet: into the run, before it ends.
+                kept = metric_writer.import_left_behind(client, run.info.run_id)
                 client.set_tag(run.info.run_id, "air_magic.outcome", "caller ended")
                 client.set_tag(
                     run.info.run_id,
                     "air_magic.error",
-                    "the process that made this call ended before the call did (kernel restart or kill)",
+                    "the process that made this call ended before the call did (kernel restart or kill)"
+                    + (f"; {kept} metric row(s) it left on disk were imported" if kept else ""),
                 )
                 client.set_terminated(run.info.run_id, "KILLED")
     except Exception as exc:  # noqa: BLE001 - housekeeping must never stop a call

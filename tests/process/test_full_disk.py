@@ -118,3 +118,70 @@ def test_a_rank_failing_on_a_full_temp_folder_says_so(tmp_path):
     assert said, done.stdout[-3000:] + done.stderr[-3000:]
     assert "its error record could not be written" in said[0], said[0]
     assert "ValueError: boom while the disk is full" in said[0], said[0]
+
+
+LOG_THEN_WAIT = r"""
+import os, sys, time
+import air_magic
+
+@air_magic.distributed(num_accelerators=2, display="none", experiment="killed-caller")
+def train(flags):
+    import mlflow
+    rank = int(os.environ["RANK"])
+    for step in range(300):
+        mlflow.log_metric(f"loss_{rank}", 1.0 / (step + 1), step=step)
+    open(os.path.join(flags, f"logged-{rank}"), "w").close()
+    time.sleep(600)
+
+train.distributed(sys.argv[1])
+"""
+
+NEXT_CALL = r"""
+import air_magic
+
+@air_magic.distributed(num_accelerators=1, display="none", experiment="killed-caller")
+def nothing():
+    return 1
+
+print("NEXT", nothing.distributed())
+"""
+
+
+@fault(
+    "the caller is SIGKILLed while its ranks' metric rows are on disk and not yet stored",
+    "the next tracked call imports every row into the killed call's run, then ends it KILLED",
+)
+def test_a_killed_callers_metric_rows_reach_its_run(tmp_path):
+    import signal
+    import time
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    store = tmp_path / "store"
+    env.update(AIR_MAGIC_MLFLOW_DIR=str(store), MLFLOW_DISABLE_TELEMETRY="true")
+    flags = tmp_path / "flags"
+    flags.mkdir()
+    caller = subprocess.Popen(
+        [sys.executable, "-c", LOG_THEN_WAIT, str(flags)], env=env, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 180
+        while len(list(flags.iterdir())) < 2 and time.monotonic() < deadline and caller.poll() is None:
+            time.sleep(0.05)
+        assert len(list(flags.iterdir())) == 2, caller.stderr.read() if caller.poll() is not None else ""
+    finally:
+        caller.send_signal(signal.SIGKILL)  # right after the rows reached the files: most not stored
+        caller.wait()
+    # The ranks follow their caller (their lifeline); wait for them before the next call.
+    time.sleep(2)
+    done = subprocess.run(
+        [sys.executable, "-c", NEXT_CALL], env=env, capture_output=True, text=True, timeout=240
+    )
+    assert "NEXT [1]" in done.stdout, done.stderr[-3000:]
+    client = MlflowClient(f"sqlite:///{store}/{paths.MLFLOW_DB}")
+    runs = client.search_runs([client.get_experiment_by_name("killed-caller").experiment_id])
+    killed = [r for r in runs if r.info.status == "KILLED"]
+    assert len(killed) == 1, [r.info.status for r in runs]
+    for rank in (0, 1):
+        steps = sorted(m.step for m in client.get_metric_history(killed[0].info.run_id, f"loss_{rank}"))
+        assert steps == list(range(300)), (rank, len(steps))
