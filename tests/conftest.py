@@ -197,6 +197,13 @@ def no_leftovers():
         except psutil.Error:
             pass
     assert not described, f"processes left behind: {described}"
+    # A killed caller's metric folder that names its run is kept on purpose, for the run's import
+    # at the next tracked call (tracking/metric_writer.import_left_behind): removed here, not a leak.
+    from air_magic import paths, private_files
+
+    for path in private_files.dead_callers_folders(paths.METRICS_KIND):
+        if os.path.exists(os.path.join(path, paths.METRICS_RUN_FILE)):
+            private_files.remove_tree(path)
     stray = [n for n in os.listdir(tempfile.gettempdir()) if n.startswith("air_magic-")]
     assert not stray, f"run directories left behind: {stray}"
 
