@@ -37,7 +37,7 @@ from types import FrameType
 from typing import Any
 
 from air_magic import torchrun_flags, verbs
-from air_magic.calls import anywhere, history, ray_jobs
+from air_magic.calls import anywhere, detached, history, ray_jobs
 from air_magic.calls.call import prepare_call, run_call, start_async
 from air_magic.display.json_lines import JsonLines
 from air_magic.display.text import TextDisplay
@@ -144,9 +144,18 @@ def _check_torchrun_fits(kind: str, torchrun: torchrun_flags.TorchrunLine, given
             "a notebook target takes no torchrun options (its %%distributed lines carry the options): "
             + ", ".join(f"--{name}" for name in sorted(torchrun.given))
         )
-    if given.get("detach") and (torchrun.max_restarts or torchrun.console_ranks is not None):
+    refused = [
+        flag
+        for flag, used in (
+            ("--max-restarts", bool(torchrun.max_restarts)),
+            ("--local-ranks-filter", torchrun.console_ranks is not None),
+        )
+        if used
+    ]
+    if given.get("detach") and refused:
         raise UsageError(
-            "--detach runs one attempt and shows every rank: no --max-restarts, --local-ranks-filter"
+            f"--detach cannot be combined with {' or '.join(refused)}: a detached run makes one attempt "
+            "and its followers show every rank (drop the option, or run without --detach)"
         )
 
 
@@ -233,7 +242,8 @@ def _target(kind: str, what: str, argv: list[str]) -> tuple[str, Any, inspect.Bo
         if not os.path.isfile(what):
             raise UsageError(f"no such script: {what}")
         fn: Any = targets.run_script
-        name, args = os.path.basename(what), (os.path.abspath(what), argv)
+        args: tuple[Any, ...] = (os.path.abspath(what), argv, what)  # argv[0]: as typed, as torchrun
+        name = os.path.basename(what)
     elif kind == "module":
         _check_module(what)
         fn, name, args = targets.run_module, what, (what, argv)
@@ -463,7 +473,11 @@ def _attach(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     json_out = JsonLines() if args.json else None
     displays = _displays(args, json_out)
-    handle = anywhere.attach(args.run, display="none", cluster=args.cluster, consumers=displays)
+    found = anywhere.find(args.run, args.cluster)
+    if isinstance(found, detached.DetachedRun) and found.status == "lost":  # nothing to follow: one line
+        print(f"air-magic attach: {detached.lost_text(found.folder, found.id)}", file=sys.stderr)
+        return 1
+    handle = anywhere.attach(found, display="none", cluster=args.cluster, consumers=displays)
     previous = _stop_on_signals([])
     try:
         error = handle.exception()

@@ -17,6 +17,7 @@ from typing import Any
 from air_magic import paths
 from air_magic.calls import anywhere, detached, history, ray_jobs
 from air_magic.errors import ConfigurationError
+from air_magic.protocol.events import Outcome
 
 
 @dataclass(frozen=True)
@@ -118,8 +119,9 @@ def runs(log_root: str | None = None, n: int = 20, cluster: str | None = None) -
             line = f"{run.id}  {run.status:<11} {run.world_size!s:>3} rank(s) {'':>9}  {run.name}  {where}"
             rows.append((run.id, line))
     for summary in summaries:
-        if summary["run_id"] in supervised:  # its supervisor knows best: 'cancelled', 'lost' (it died)
-            summary["outcome"] = supervised[summary["run_id"]].status
+        said = supervised[summary["run_id"]].status if summary["run_id"] in supervised else None
+        if said is not None and said != Outcome.UNKNOWN:  # its supervisor knows best: 'cancelled', 'lost'
+            summary["outcome"] = said
         took = summary.get("elapsed")
         took_text = "" if took is None else f"{took:.1f} s"
         outcome, ranks = summary.get("outcome", "?"), summary.get("world_size", "?")

@@ -92,6 +92,7 @@ class RunHandle:
         on_result: Callable[[RunResult], Any] | None = None,
         stop_grace: float = 0.0,
         read_log: Callable[[int], str] | None = None,  # a rank's log, where it is not on this machine
+        began: float | None = None,  # when the run began (time.monotonic()), if before this handle
     ) -> None:
         self.name = name
         self._read_log = read_log
@@ -108,6 +109,8 @@ class RunHandle:
         self._value_taken = False
         self._status = "starting"
         self._started = time.monotonic()
+        # What the elapsed time counts from: a detached run followed from here began before its handle.
+        self._began = min(began, self._started) if began is not None else self._started
         self._elapsed: float | None = None
         self.log_dir: str | None = None
         self.run_id: str | None = None
@@ -198,8 +201,12 @@ class RunHandle:
 
     # -- how it shows ---------------------------------------------------------------------
 
+    def _took(self) -> float:
+        """Seconds the run has taken: since it began while it runs, its whole time once ended."""
+        return self._elapsed if self._elapsed is not None else time.monotonic() - self._began
+
     def __repr__(self) -> str:
-        took = self._elapsed if self._elapsed is not None else time.monotonic() - self._started
+        took = self._took()
         where = f"; logs: {self.log_dir}" if self.log_dir else ""
         return f"<RunHandle {self.name}: {self._status}, {self.world_size} rank(s), {took:.1f} s{where}>"
 
@@ -216,7 +223,7 @@ class RunHandle:
         display(self._status_html)
 
     def _status_line(self) -> str:
-        took = self._elapsed if self._elapsed is not None else time.monotonic() - self._started
+        took = self._took()
         ranks = ", ".join(f"{r}: {s}" for r, s in sorted(self.rank_states.items()))
         return (
             f"<code>{html.escape(self.name)}</code> in the background: <b>{html.escape(self._status)}</b>"
@@ -257,7 +264,7 @@ class RunHandle:
         outcome = result.outcome if result is not None else Outcome.FAILED
         self._status = Outcome.CANCELLED if outcome == Outcome.INTERRUPTED else outcome
         if self._elapsed is None:
-            self._elapsed = time.monotonic() - self._started
+            self._elapsed = time.monotonic() - self._began
         self._finished.set()
         self._redraw(force=True)
 

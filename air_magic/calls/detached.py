@@ -235,7 +235,13 @@ def runs() -> list[DetachedRun]:
     """Every detached run of this user on this machine, newest first."""
     found = []
     base = root()
-    for entry in sorted(os.scandir(base), key=lambda e: e.name, reverse=True):
+    try:
+        entries = sorted(os.scandir(base), key=lambda e: e.name, reverse=True)
+    except OSError as exc:  # unreadable: one line for the user, not a traceback
+        raise ConfigurationError(
+            f"cannot read the detached runs' folder {base}: {exc.strerror or exc}. {_ROOT_FIX}"
+        ) from None
+    for entry in entries:
         if entry.is_dir(follow_symlinks=False):
             info = _read_run(entry.path)
             if info is not None:
@@ -249,7 +255,7 @@ def attach(
     """Re-open a detached run (default: the newest one still running): its output so far, then the
     stream, in this cell; the handle's result() waits for the end, cancel() stops it."""
     info = _find(run)
-    state = _read_state(info.folder) or {}
+    state = _state_of(info.folder)
     # A cell's ranks return their cell's outcome; another kernel gets each rank's last value (the
     # names go back only to the kernel that ran the cell, when its handle's result() is called).
     on_result = cell_values if state.get("kind") == "cell" else None
@@ -285,7 +291,9 @@ def _find(run: str | DetachedRun | None) -> DetachedRun:
 def _read_run(folder: str) -> DetachedRun | None:
     state = _read_state(folder)
     if state is None:
-        return None
+        state = _recovered_state(folder)
+        if state is None:
+            return None
     status = state.get("status", "starting")
     supervisor = _supervisor(folder)
     if status in _LIVE and not _supervisor_alive(folder, state):
@@ -355,10 +363,10 @@ class FolderRun:
     def __init__(self, folder: str) -> None:
         _check_ours(folder)
         self.folder = folder
-        self.id = (_read_state(folder) or {}).get("id", os.path.basename(folder))
+        self.id = _state_of(folder).get("id", os.path.basename(folder))
 
     def state(self) -> dict[str, Any]:
-        return _read_state(self.folder) or {}
+        return _state_of(self.folder)
 
     def replay_from(self) -> int:
         return event_log.replay_from(os.listdir(self.folder))
@@ -380,12 +388,7 @@ class FolderRun:
         return result
 
     def lost(self) -> str:
-        supervisor = _supervisor(self.folder)
-        return (
-            f"the supervisor of detached run {self.id} (pid {supervisor[0] if supervisor else '?'}) ended "
-            "without a result; its ranks ended with it (they die with their supervisor). Its log: "
-            f"{os.path.join(self.folder, SUPERVISOR_LOG)}"
-        )
+        return lost_text(self.folder, self.id)
 
     def cancel(self) -> None:
         _signal_supervisor(self.folder)
@@ -395,6 +398,17 @@ class FolderRun:
 
     def rank_log(self, rank: int, log_dir: str | None) -> str:
         return read_rank_log(log_dir, rank)
+
+
+def lost_text(folder: str, run_id: str) -> str:
+    """Why a detached run of this machine has no result: its supervisor is gone (one line)."""
+    supervisor = _supervisor(folder)
+    logs = (_read_state(folder) or {}).get("log_dir")
+    return (
+        f"detached run {run_id} was lost: its supervisor (pid {supervisor[0] if supervisor else '?'}) "
+        "ended without a result, and its ranks with it. Its log: "
+        f"{os.path.join(folder, SUPERVISOR_LOG)}" + (f"; the ranks' logs: {logs}" if logs else "")
+    )
 
 
 def follow_run(place: RunPlace, displays: list[Any], on_result: Any, more: Sequence[Any] = ()) -> RunHandle:
@@ -410,6 +424,7 @@ def follow_run(place: RunPlace, displays: list[Any], on_result: Any, more: Seque
         read_log=lambda rank: place.rank_log(rank, handle.log_dir),
         on_result=on_result,
         stop_grace=float(state.get("stop_grace", 0.0)),
+        began=_began(state),
     )
     handle.detached_id = place.id
     handle.kind = state.get("kind", "function")
@@ -437,10 +452,10 @@ def follow_run(place: RunPlace, displays: list[Any], on_result: Any, more: Seque
                     pids.pop(event.rank, None)  # its pid may be reused: never signalled again
                 elif isinstance(event, RunStarted):
                     _show_record(displays, place.state())
-                _emit(consumers, event)
-                if isinstance(event, RunFinished):
+                if isinstance(event, RunFinished):  # shown once the result is read (follow())
                     finished = event
                     break
+                _emit(consumers, event)
             if now - last_tick >= TICK_S:
                 last_tick = now
                 _emit(consumers, Tick(elapsed=now - started))
@@ -454,7 +469,12 @@ def follow_run(place: RunPlace, displays: list[Any], on_result: Any, more: Seque
             caught_up.set()
             if stop.is_set() and finished is None:  # unfollow(): the run goes on; this handle ends here
                 return
-            outcome = _outcome(place, finished)
+            result, error, lost = _outcome(place, finished)
+            outcome: tuple[RunResult | None, BaseException | None] = (result, error)
+            # A supervisor gone without a result: the run is lost, whatever its last event said (a
+            # display would otherwise say "succeeded in 41.4 s", then the handle "no result").
+            if finished is not None and not lost:
+                _emit(consumers, finished)
         except Exception as exc:  # noqa: BLE001 - a follower never dies with its handle unfinished
             outcome = (None, LaunchError(f"following detached run {handle.detached_id} failed: {exc!r}"))
         caught_up.set()
@@ -467,6 +487,15 @@ def follow_run(place: RunPlace, displays: list[Any], on_result: Any, more: Seque
     # pids and their states (stacks() and status answer at once), and the view shows it all.
     caught_up.wait(REPLAY_WAIT_S)
     return handle
+
+
+def _began(state: dict[str, Any]) -> float | None:
+    """When the run began, on this process's monotonic clock (state.json keeps the wall clock)."""
+    try:
+        started = float(state["started"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    return time.monotonic() - max(0.0, time.time() - started)
 
 
 _followed: list[RunHandle] = []  # the detached runs this process follows (never cancelled at its exit)
@@ -512,20 +541,27 @@ def _emit(consumers: list[Any], event: Event) -> None:
             consumers.remove(consumer)
 
 
-def _outcome(place: RunPlace, finished: RunFinished | None) -> tuple[RunResult | None, BaseException | None]:
+def _outcome(
+    place: RunPlace, finished: RunFinished | None
+) -> tuple[RunResult | None, BaseException | None, bool]:
     """The run's result, once the supervisor has written it (after the ranks, it ends the MLflow
-    run, which may take a while); or, once it is gone without one, why there is none."""
+    run, which may take a while); or, once it is gone without one, why there is none. Last: lost
+    (the supervisor went without writing one)."""
     try:
         result = place.result()
     except Exception as exc:  # noqa: BLE001 - the handle must end, and say why it has no result
         state = place.state()
-        return None, LaunchError(
-            f"detached run {place.id} ended ({state.get('status', '?')}), but its result "
-            f"could not be read here: {type(exc).__name__}: {exc}. Its logs: {state.get('log_dir')}"
+        return (
+            None,
+            LaunchError(
+                f"detached run {place.id} ended ({state.get('status', '?')}), but its result "
+                f"could not be read here: {type(exc).__name__}: {exc}. Its logs: {state.get('log_dir')}"
+            ),
+            False,
         )
     if result is None:
-        return None, LaunchError(place.lost())
-    return result, None
+        return None, LaunchError(place.lost()), True
+    return result, None, False
 
 
 def _signal_supervisor(folder: str) -> None:
@@ -554,6 +590,39 @@ def _check_ours(folder: str) -> None:
 # -- state.json -----------------------------------------------------------------------------
 
 
+def _state_of(folder: str) -> dict[str, Any]:
+    """The run's state.json, or what can be told of it without one (a torn or missing file)."""
+    return _read_state(folder) or _recovered_state(folder) or {}
+
+
+RECOVER_BYTES = 1 << 16  # how much of the event log a torn state.json's run is recovered from
+
+
+def _recovered_state(folder: str) -> dict[str, Any] | None:
+    """A run whose state.json cannot be read (torn): what its folder still says (the supervisor's
+    mark, the event log's RunStarted, a result), so that runs() lists it and attach() finds it."""
+    supervisor = _supervisor(folder)
+    state: dict[str, Any] = {"id": os.path.basename(folder), "name": "?", "world_size": 0}
+    try:
+        state["started"] = supervisor[1] if supervisor else os.stat(folder).st_mtime
+        with open(os.path.join(folder, EVENTS), errors="replace") as f:
+            head = f.read(RECOVER_BYTES)
+    except OSError:
+        head = ""
+    for line in head.splitlines():
+        event = event_log.from_line(line)
+        if isinstance(event, RunStarted):
+            state.update(name=event.name, world_size=event.world_size, log_dir=event.log_dir)
+            break
+    if supervisor is None and "log_dir" not in state and not os.path.exists(os.path.join(folder, REQUEST)):
+        return None  # not a run's folder (nothing of a run in it)
+    if os.path.exists(os.path.join(folder, RESULT)):
+        state["status"] = Outcome.UNKNOWN  # it ended; how, only its result says
+    else:
+        state["status"] = Outcome.RUNNING  # lost, unless its supervisor still lives (_read_run)
+    return state
+
+
 def _read_state(folder: str) -> dict[str, Any] | None:
     try:
         with open(os.path.join(folder, STATE)) as f:
@@ -569,7 +638,7 @@ def write_state(folder: str, state: dict[str, Any]) -> None:
 
 def update_state(folder: str, **changes: Any) -> None:
     """Change some fields of the run's state.json (the supervisor, its only writer once it runs)."""
-    state = _read_state(folder) or {}
+    state = _state_of(folder)  # a torn file: what the folder still says, not nothing
     state.update(changes)
     write_state(folder, state)
 

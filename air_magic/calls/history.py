@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from air_magic import paths, private_files
+from air_magic.errors import ConfigurationError
 from air_magic.protocol import wire
 from air_magic.protocol.events import Event, Outcome, RankExited, RecordLink, RunFinished, RunStarted
 
@@ -137,6 +138,8 @@ def read_summaries(log_root: str) -> list[dict[str, Any]]:
         folders = sorted(os.scandir(log_root), key=lambda e: e.name, reverse=True)
     except FileNotFoundError:
         return []
+    except OSError as exc:  # unreadable, or not a folder: one line for the user, not a traceback
+        raise ConfigurationError(f"cannot read the runs' folder {log_root}: {exc.strerror or exc}") from None
     for entry in folders:
         if not entry.is_dir():
             continue

@@ -110,8 +110,8 @@ class TextDisplay:
         if event.cpu_mode and not _cpu_mode_said:
             _cpu_mode_said = True
             self._note(
-                "CPU mode: no NVIDIA GPU is visible, so every rank runs on the CPU; "
-                "use init_process_group('gloo') (or air_magic.init_process_group())"
+                "CPU mode: no NVIDIA GPU is visible, so every rank runs on the CPU with gloo "
+                "(air_magic.init_process_group() picks it; code that asks for 'nccl' fails here)"
             )
         elif not event.cpu_mode:
             where += f" on {event.detected}"

@@ -19,11 +19,44 @@ import sys
 from typing import Any
 
 
-def run_script(path: str, argv: list[str]) -> None:
-    """``python path argv...``: its folder first on ``sys.path``, run as ``__main__``."""
-    sys.argv = [path, *argv]
+def run_script(path: str, argv: list[str], typed: str | None = None) -> None:
+    """``python path argv...``: its folder first on ``sys.path``, run as ``__main__``; ``sys.argv[0]``
+    is the path as the user typed it (``typed``), as under python and torchrun."""
+    sys.argv = [typed or path, *argv]
     sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
-    _as_main(lambda: runpy.run_path(path, run_name="__main__"))
+    if path.endswith(".py") and os.path.isfile(path):
+        _as_main(lambda: _run_file_as_main(os.path.abspath(path)))
+    else:  # a folder or zip file with a __main__.py: runpy's way (it sets sys.argv[0] to the path)
+        _as_main(lambda: runpy.run_path(path, run_name="__main__"))
+
+
+def _run_file_as_main(path: str) -> None:
+    """``python path``: the file's code in a new ``__main__`` module, ``__file__`` absolute (as
+    Python >= 3.9 sets it) and ``sys.argv[0]`` left as it is (``runpy.run_path`` would set it to
+    ``path``, where python and torchrun keep it as typed). The old ``__main__`` comes back after."""
+    import importlib.machinery
+    import io
+    import types
+
+    with io.open_code(path) as f:
+        code = compile(f.read(), path, "exec", dont_inherit=True)  # bytes: the coding cookie holds
+    module = types.ModuleType("__main__")
+    module.__dict__.update(
+        __file__=path,
+        __cached__=None,
+        __package__=None,
+        __spec__=None,
+        __loader__=importlib.machinery.SourceFileLoader("__main__", path),
+    )
+    saved = sys.modules.get("__main__")
+    sys.modules["__main__"] = module
+    try:
+        exec(code, module.__dict__)
+    finally:
+        if saved is not None:
+            sys.modules["__main__"] = saved
+        else:
+            sys.modules.pop("__main__", None)
 
 
 def run_module(module: str, argv: list[str]) -> None:

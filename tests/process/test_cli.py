@@ -588,3 +588,136 @@ def test_refusals_speak_the_command_lines_words(project):
     for args in (["-n", "0", "ddp.py"], ["--timeout", "-3", "ddp.py"]):
         done = air_magic(project, *args, timeout=60)
         assert done.returncode == 2 and "None" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("option", [["--max-restarts", "1"], ["--local-ranks-filter", "0"]])
+def test_detach_refuses_restarts_and_a_ranks_filter_in_one_clear_line(project, option):
+    """Issue 48 #15: the refusal names the option it refuses, and what to do, in one line."""
+    done = air_magic(project, "--detach", *option, "ddp.py", timeout=60)
+    assert done.returncode == 2, done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith(f"air-magic run: --detach cannot be combined with {option[0]}:"), line
+    assert "run without --detach" in line
+
+
+def test_runs_over_an_unreadable_runs_folder_is_one_line(project, tmp_path, monkeypatch, capsys):
+    """Issue 48 #11: a log folder that is a file, or one that cannot be read (PermissionError,
+    injected: tests run as root), is one line and status 2, not a traceback."""
+    not_a_folder = tmp_path / "logs-file"
+    not_a_folder.write_text("")
+    done = invoke("runs", "--log-dir", str(not_a_folder))
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("air-magic runs: cannot read the runs' folder") and str(not_a_folder) in line
+
+    from air_magic import cli
+    from air_magic.calls import detached
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    real_scandir = os.scandir
+
+    def refused(path="."):
+        if os.fspath(path) in (str(logs), detached.root()):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", refused)
+    for argv in (["runs", "--log-dir", str(logs)], ["runs"]):  # the log root, then the detached runs'
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        (line,) = err.strip().splitlines()
+        assert line.startswith("air-magic runs: cannot read the") and "Permission denied" in line, err
+
+
+def _detached_run(project, script: str) -> tuple[str, object]:
+    """Start ``script`` with ``run --detach -n 2``: its id and its runs() entry."""
+    import air_magic as am
+
+    started = air_magic(project, "--detach", "-n", "2", script)
+    assert started.returncode == 0, started.stderr
+    run_id = started.stdout.split("detached run ")[1].split()[0]
+    (run,) = [r for r in am.runs() if r.id == run_id]
+    return run_id, run
+
+
+def _status_of(run_id: str) -> list[str]:
+    import air_magic as am
+
+    return [r.status for r in am.runs() if r.id == run_id]
+
+
+def test_a_torn_state_json_still_lists_and_attaches_its_run(project, tmp_path):
+    """Issue 48 #11: a truncated state.json hid a running detached run from runs() and attach."""
+    gate = tmp_path / "gate"
+    script = tmp_path / "gated.py"
+    script.write_text(
+        "import os, time\n"
+        "print('rank', os.environ['RANK'], 'before', flush=True)\n"
+        f"while not os.path.exists({str(gate)!r}):\n"
+        "    time.sleep(0.02)\n"
+        "print('rank', os.environ['RANK'], 'after', flush=True)\n"
+    )
+    run_id, run = _detached_run(project, str(script))
+    deadline = time.monotonic() + 120
+    while not all("before" in invoke("logs", run_id, str(rank), cwd=project).stdout for rank in (0, 1)):
+        assert time.monotonic() < deadline, "the ranks did not start"
+        time.sleep(0.2)
+    state = os.path.join(run.folder, "state.json")
+    with open(state, "w") as f:
+        f.write('{"id": "' + run_id + '", "name": "gat')  # torn mid-write
+    assert _status_of(run_id) == ["running"]
+    follower = subprocess.Popen(
+        [*command(), "attach", run_id],
+        cwd=project,
+        env=environment(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(1.0)
+    gate.touch()
+    out, err = follower.communicate(timeout=120)
+    assert follower.returncode == 0, err
+    assert "[rank 1] rank 1 after" in out
+    assert _status_of(run_id) == ["succeeded"]  # the supervisor's rewrite keeps the run listed
+
+
+def test_a_run_lost_after_its_last_event_is_shown_lost_in_one_line(project, tmp_path, capsys):
+    """Issue 48 #11: state.json says running, the supervisor is gone, no result: attach said
+    "succeeded in 41.4 s" and then "ended without a result". Now one line, and the run is lost."""
+    from helpers.procs import reap_zombies
+
+    import air_magic as am
+
+    script = tmp_path / "quick.py"
+    script.write_text("print('done')\n")
+    run_id, _ = _detached_run(project, str(script))
+    deadline = time.monotonic() + 120
+    while True:
+        (run,) = [r for r in am.runs() if r.id == run_id]
+        if run.status == "succeeded" and run.pid is not None and not psutil.pid_exists(run.pid):
+            break
+        assert time.monotonic() < deadline, "the supervisor did not end"
+        reap_zombies()  # the supervisor was re-parented to pytest (a subreaper)
+        time.sleep(0.1)
+    state = os.path.join(run.folder, "state.json")
+    with open(state) as f:
+        fields = json.load(f)
+    with open(state, "w") as f:
+        json.dump({**fields, "status": "running"}, f)  # as if it died before its last rewrite
+    os.unlink(os.path.join(run.folder, "result.pkl"))
+    assert _status_of(run_id) == ["lost"]
+    row = invoke("runs", cwd=project).stdout.split(run_id)[1].splitlines()[0]
+    assert " lost " in row, row
+    attached = invoke("attach", run_id, cwd=project)
+    assert attached.returncode == 1
+    assert "succeeded" not in attached.stdout + attached.stderr, attached
+    (line,) = attached.stderr.strip().splitlines()
+    assert line.startswith(f"air-magic attach: detached run {run_id} was lost:"), line
+    # The Python API follows what it can; its display does not say the lost run succeeded.
+    handle = am.attach(run_id, display="text")
+    with pytest.raises(am.LaunchError, match="was lost"):
+        handle.result(timeout=60)
+    shown = capsys.readouterr()
+    assert "succeeded in" not in shown.out + shown.err, shown

@@ -326,3 +326,33 @@ def test_a_result_a_follower_cannot_load_ends_its_handle_with_a_clear_error(tmp_
     again = air_magic.attach(run.id, display="none")
     with pytest.raises(LaunchError, match="could not be read here: ModuleNotFoundError"):
         again.result(timeout=15)
+
+
+def _waits_for(gate):
+    import os
+    import time
+
+    while not os.path.exists(gate):
+        time.sleep(0.02)
+    return 1
+
+
+def test_an_attached_handle_counts_its_time_from_the_runs_start(tmp_path):
+    """Issue 48 #17: a handle attached to a run that had run for seconds said 0.0 s."""
+    import re
+
+    gate = tmp_path / "gate"
+    fn = air_magic.distributed(num_accelerators=2, display="none", tracking=False, detach=True)(_waits_for)
+    first = fn.distributed_async(str(gate))
+    try:
+        _wait_for(lambda: _status(first.detached_id) == "running", "the detached run to start")
+        time.sleep(2.5)
+        again = air_magic.attach(first.detached_id, display="none")  # as another kernel would
+        shown = repr(again)
+        assert "running, 2 rank(s)" in shown, shown
+        (took,) = re.findall(r", ([\d.]+) s", shown)
+        assert float(took) >= 2.5, shown  # since the run's start, not since this attach
+    finally:
+        gate.touch()
+    assert first.result(timeout=120) == [1, 1]
+    assert again.result(timeout=60) == [1, 1]

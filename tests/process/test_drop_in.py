@@ -184,3 +184,25 @@ def test_no_python_runs_a_program_on_every_rank(tmp_path):
     assert failed.returncode in (3, 4), failed.stderr  # the root-cause rank's status, as torchrun's
     missing = invoke("run", "--no-python", "no-such-program-here", cwd=tmp_path)
     assert missing.returncode == 2 and "no such program: no-such-program-here" in missing.stderr
+
+
+ARGV0 = """\
+import os, sys
+with open(os.path.join(sys.argv[1], f"{sys.argv[2]}-{os.environ['RANK']}.txt"), "w") as f:
+    f.write(sys.argv[0])
+"""
+
+
+def test_a_scripts_argv0_is_the_path_as_typed_as_under_torchrun(tmp_path):
+    """Issue 48 #18: a rank's sys.argv[0] was the script's absolute path; torchrun passes it as typed."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "argv0.py").write_text(ARGV0)
+    typed = os.path.join("sub", "argv0.py")
+    oracle = torchrun(typed, str(tmp_path), "torchrun", cwd=tmp_path)
+    assert oracle.returncode == 0, oracle.stderr
+    ours = invoke("run", "--no-tracking", "-n", "2", typed, str(tmp_path), "ours", cwd=tmp_path)
+    assert ours.returncode == 0, ours.stderr
+    for rank in (0, 1):
+        theirs = (tmp_path / f"torchrun-{rank}.txt").read_text()
+        assert theirs == typed  # the oracle: as typed
+        assert (tmp_path / f"ours-{rank}.txt").read_text() == theirs

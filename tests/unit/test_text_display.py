@@ -59,3 +59,16 @@ def test_many_ranks_that_succeed_are_counted_and_chosen_ranks_are_kept():
     assert "air_magic: ranks: 64 succeeded" in err and out.count("\n") == 30
     out, err = _shown(64, failed=None, ranks={5, 6})  # --local-ranks-filter: the user's choice
     assert out.count("\n") == 60 and "ranks:" not in err
+
+
+def test_the_cpu_mode_line_is_true_for_code_that_calls_air_magics_init_process_group(monkeypatch):
+    """Issue 48 #21: the line told code that already calls air_magic.init_process_group() to use
+    init_process_group('gloo'); it says what runs, and that only code asking for NCCL must change."""
+    monkeypatch.setattr("air_magic.display.text._cpu_mode_said", False)
+    err = io.StringIO()
+    display = TextDisplay(out=io.StringIO(), err=err)
+    display.handle(RunStarted("r", 2, "gloo", "no NVIDIA GPU (CPU mode)", True, "/logs", "train"))
+    (line,) = [line for line in err.getvalue().splitlines() if "CPU mode" in line]
+    assert "use init_process_group('gloo')" not in line
+    assert "on the CPU with gloo" in line and "air_magic.init_process_group() picks it" in line
+    assert "asks for 'nccl'" in line
