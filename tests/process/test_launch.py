@@ -468,7 +468,7 @@ def test_a_store_host_that_fails_leaves_nothing_and_the_caller_serves_the_store(
 
 
 def test_a_scripts_decorated_function_saves_a_whole_model_of_the_scripts_class(tmp_path):
-    """``torch.save(Net())`` of a class the script defines, in a ``@distributed`` function (issue 48 item 1)."""
+    """``torch.save(Net())`` of the script's own class in a ``@distributed`` function (issue 48 item 1)."""
     import subprocess
 
     script = tmp_path / "train.py"
