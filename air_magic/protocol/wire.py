@@ -25,6 +25,18 @@ def metrics_path(metrics_dir: str, rank: int | str) -> str:
     return os.path.join(metrics_dir, f"rank-{rank}.tsv")
 
 
+# MLFLOW_TRACKING_URI for the ranks of an untracked call (tracking/remote.py): a rank replaces it
+# with a sqlite file of its own in its call folder (worker/entry.py), removed with the folder. Not
+# the store that failed (MLflow's retries would hold a rank's first log_metric for minutes), not
+# one file for all ranks (they race to make its tables), not ":memory:" itself (one database per
+# thread: a callback's or MLflow's async logging thread would find no tables).
+UNTRACKED_MLFLOW_URI = "sqlite:///:memory:"
+
+
+def untracked_mlflow_uri(call_dir: str, rank: int | str) -> str:
+    return "sqlite:///" + os.path.join(call_dir, f"untracked-mlflow-{rank}.db")
+
+
 # What a rank prints when its error record cannot be written (a full temp folder): the caller's
 # death message (launch/failures.py) then says so first, and the traceback is in the lines shown.
 ERROR_RECORD_UNWRITTEN = "[air_magic] this rank's error record could not be written"

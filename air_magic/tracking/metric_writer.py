@@ -140,7 +140,8 @@ class MetricWriter:
         complete, _, rest = data.rpartition(b"\n")
         if rest:
             self._partial[path] = rest
-        return complete.decode().split("\n") if complete else []
+        # errors="replace": a line torn inside a character (a full disk) is skipped, not the chunk.
+        return complete.decode(errors="replace").split("\n") if complete else []
 
     def _warn(self, message: str) -> None:
         if not self._warned:

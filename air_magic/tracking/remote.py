@@ -22,7 +22,7 @@ import sys
 import warnings
 
 from air_magic import paths
-from air_magic.protocol import env_names
+from air_magic.protocol import env_names, wire
 
 # How long a remote server gets to answer a health check, to create the call's run (both also
 # bounded by the call's timeout), and to confirm the run's end. Why these: a server that is up
@@ -33,11 +33,9 @@ from air_magic.protocol import env_names
 REMOTE_CHECK_S = 5.0
 REMOTE_SETUP_S = 30.0
 REMOTE_END_S = 30.0
-# Where the ranks of an untracked call send their own MLflow calls: a store in each rank's memory.
-# Why not the store that failed: MLflow's retries would hold the ranks' first ``log_metric`` for
-# minutes; why not a file store: MLflow 3 refuses one by default, and ranks opening one sqlite
-# file at once race to make its tables. What the ranks log there is not kept.
-UNTRACKED_RANK_URI = "sqlite:///:memory:"
+# Where the ranks of an untracked call send their own MLflow calls: a throwaway store of each
+# rank's own (protocol/wire.py says why). What the ranks log there is not kept.
+UNTRACKED_RANK_URI = wire.UNTRACKED_MLFLOW_URI
 
 
 def is_remote(uri: str) -> bool:
@@ -117,7 +115,7 @@ def say_untracked(uri: str, why: str, log_root: str | None) -> None:
     print(
         f"air_magic: WARNING: {subject} {why}: this call runs UNTRACKED "
         f"(its rank logs are kept under {log_root or paths.default_log_root()}; the ranks' own "
-        f"MLflow calls go to {UNTRACKED_RANK_URI}, an in-memory store, and are not kept)",
+        "MLflow calls go to a throwaway store in each rank's call folder and are not kept)",
         file=sys.stderr,
         flush=True,
     )

@@ -7,8 +7,8 @@
 - **Ranks** get ``MLFLOW_TRACKING_URI``, ``MLFLOW_EXPERIMENT_ID`` and
   ``MLFLOW_RUN_ID``; ``worker/mlflow_hook.py`` keeps a rank from ending or renaming the
   shared run, and makes a run a rank starts for itself a child of it. A call that runs
-  untracked gives them ``MLFLOW_TRACKING_URI=sqlite:///:memory:`` instead
-  (:data:`~air_magic.tracking.remote.UNTRACKED_RANK_URI`), never the store that failed.
+  untracked gives them :data:`~air_magic.tracking.remote.UNTRACKED_RANK_URI` instead, which
+  each rank turns into a throwaway sqlite file in its call folder, never the store that failed.
 - **Untracked, not failed.** Any failure to set the run up (a server down, one that is not
   MLflow, a read-only embedded store) runs the call untracked with one line; air_magic's own
   refusals (:class:`~air_magic.errors.ConfigurationError`) still fail it.
@@ -444,7 +444,8 @@ def _create_run(
     if not jobs.empty():
         return None  # the call was interrupted while its run was being prepared: nothing to record
     run_name = redact(call.run_name or _run_name(call.name), call.hidden)
-    tags = {key: redact(value, call.hidden) for key, value in tags.items()}
+    # Not the internal tags (host, caller, parent run): code reads them back, and a short env=
+    # value (a port) could match inside them. The source name is redacted above.
     run = client.create_run(experiment_id, run_name=run_name, tags=tags)
     return _track(client, uri, jobs, call, resume.Reopened(run.info.run_id, experiment_id, 1, existing=False))
 

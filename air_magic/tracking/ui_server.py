@@ -64,11 +64,12 @@ def server_command(folder: str, port: int, hosts: Sequence[str], origins: Sequen
     """``mlflow server`` on loopback, as the keeper runs it (the store: MLFLOW_BACKEND_STORE_URI).
 
     ``hosts``: the Host headers it answers (MLflow compares each exactly, a ``*`` in one being a
-    pattern); ``origins``: the CORS origins it allows beside MLflow's own loopback ones. Neither
-    is ever ``*``: a browser page of any site could then read the store, or rebind a name of its
-    own to 127.0.0.1 (DNS rebinding) and delete runs.
+    pattern: only the loopback names on any port are); ``origins``: the CORS origins it allows
+    beside MLflow's own loopback ones. Neither is ever ``*``: a browser page of any site could
+    then read the store, or rebind a name of its own to 127.0.0.1 (DNS rebinding) and delete runs.
     """
-    if not hosts or any("*" in name or "," in name for name in (*hosts, *origins)):
+    patterns = [name for name in hosts if "*" in name and name not in LOOPBACK_HOST_PATTERNS]
+    if not hosts or patterns or any("," in n for n in hosts) or any("*" in n or "," in n for n in origins):
         raise ValueError(f"the UI server's allowed hosts and origins must be exact names: {hosts} {origins}")
     command = [
         sys.executable, "-m", "mlflow", "server",
@@ -84,9 +85,14 @@ def server_command(folder: str, port: int, hosts: Sequence[str], origins: Sequen
     return command
 
 
+LOOPBACK_HOST_PATTERNS = ("127.0.0.1:*", "localhost:*")
+
+
 def loopback_hosts(port: int) -> list[str]:
-    """The Host headers that name the server on loopback, as a browser on this machine sends them."""
-    return [f"127.0.0.1:{port}", f"localhost:{port}"]
+    """The Host headers that name the server on loopback, as a browser on this machine sends them:
+    any port, for an SSH tunnel or an editor's port forward (``-L 5000:127.0.0.1:PORT`` sends
+    ``localhost:5000``). Safe from DNS rebinding: a page of another site cannot send these."""
+    return [f"127.0.0.1:{port}", f"localhost:{port}", *LOOPBACK_HOST_PATTERNS]
 
 
 def minimal_environment(env: Mapping[str, str]) -> dict[str, str]:

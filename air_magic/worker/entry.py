@@ -77,6 +77,7 @@ def main(transport: wire.RankTransport) -> NoReturn:
     _answer_stack_requests()
     _watch_lifeline()
     live_stdout.start()  # buffers stdout only while the rank floods it
+    _untracked_mlflow_store(transport.rank)
     rank_mlflow.install()  # only a hook: mlflow is patched if and when the rank imports it
     frameworks.install()  # and the frameworks air_magic adapts (worker/frameworks.py)
     rank = transport.rank
@@ -84,13 +85,14 @@ def main(transport: wire.RankTransport) -> NoReturn:
     try:
         payload = transport.read_payload()
         transport.mark_loaded()
+        known = main_module.rebuilt_so_far()
         fn, args, kwargs, sources = serialization.loads(payload)
         del payload
         for name, lines in sources.items():  # notebook cells: tracebacks show their lines
             linecache.cache[name] = (sum(map(len, lines)), None, lines, name)
         # The user's names are attributes of __main__, as under torchrun (worker/main_module.py).
         namespace = main_module.fresh_main()
-        main_module.adopt(fn, args, kwargs, namespace)
+        main_module.adopt(fn, args, kwargs, namespace, known)
         if fn is cell_runner.run_cell:
             kwargs = {**kwargs, "namespace": namespace}
         stage = "run"
@@ -104,6 +106,13 @@ def main(transport: wire.RankTransport) -> NoReturn:
         # A script's sys.exit(N) ends its rank with N, as under python or torchrun.
         _exit(exc.exit_status if isinstance(exc, targets.ScriptExit) else 1)
     _exit(0)
+
+
+def _untracked_mlflow_store(rank: int) -> None:
+    """An untracked call's rank: its own MLflow calls go to a sqlite file of its call folder."""
+    call_dir = os.environ.get(env_names.RUN_DIR)
+    if os.environ.get("MLFLOW_TRACKING_URI") == wire.UNTRACKED_MLFLOW_URI and call_dir:
+        os.environ["MLFLOW_TRACKING_URI"] = wire.untracked_mlflow_uri(call_dir, rank)
 
 
 def _dump_result(result: Any, rank: int) -> bytes:
@@ -149,14 +158,17 @@ def _report(transport: wire.RankTransport, stage: str, exc: BaseException) -> No
         traceback=text,
         exception=pickled,
     )
+    unwritten = None
     try:
         transport.write_error(serialization.dumps(record))
     except Exception as write_error:  # noqa: BLE001 - the text still reaches the log, with why
-        sys.stderr.write(f"{wire.ERROR_RECORD_UNWRITTEN}: {write_error}\n")
+        unwritten = write_error
     # The traceback also goes to the rank's stderr, so the log tells the story on its own,
     # after what the rank printed before it.
     live_stdout.flush()
     sys.stderr.write(text)
+    if unwritten is not None:  # last: the caller's message shows a rank's last lines only
+        sys.stderr.write(f"{wire.ERROR_RECORD_UNWRITTEN}: {unwritten}\n")
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # air_magic/

@@ -38,24 +38,54 @@ def fresh_main() -> dict[str, Any]:
     return module.__dict__
 
 
-def adopt(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], namespace: dict[str, Any]) -> None:
+def rebuilt_so_far() -> set[type]:
+    """The ``__main__`` classes cloudpickle has rebuilt in this process until now (see :func:`adopt`)."""
+    return set(_rebuilt_main_classes())
+
+
+def adopt(
+    fn: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    namespace: dict[str, Any],
+    known: set[type] | frozenset[type] = frozenset(),
+) -> None:
     """Make the ``__main__`` classes and functions of a by-value payload attributes of ``namespace``'s module.
 
     Only classes and functions: they are what pickle looks up by name. Data the function's
     globals carry stays the function's own, so a session's names (a model a cell built) are
-    never replaced by the notebook's values. A class or function already there is replaced (a
-    later definition wins, as in the notebook); air_magic's own functions bring nothing.
+    never replaced by the notebook's values; nor is a class or function a session's cell
+    defined in ``namespace`` itself. Another one already there is replaced (a later definition
+    wins, as in the notebook). ``known``: the classes rebuilt before this payload was loaded
+    (:func:`rebuilt_so_far`), which this payload did not bring. air_magic's own functions bring
+    nothing.
     """
     for value in (fn, *args, *kwargs.values()):
         if _is_main_function(value):
             for name, obj in value.__globals__.items():
                 if not name.startswith("__") and (_is_main_function(obj) or _is_main_class(obj)):
-                    namespace[name] = obj
+                    _put(namespace, name, obj)
             if _top_level(value):
-                namespace[value.__qualname__] = value
+                _put(namespace, value.__qualname__, value)
     for cls in _rebuilt_main_classes():
-        if _top_level(cls):
-            namespace.setdefault(cls.__qualname__, cls)
+        if cls not in known and _top_level(cls):
+            _put(namespace, cls.__qualname__, cls)
+
+
+def _put(namespace: dict[str, Any], name: str, value: Any) -> None:
+    current = namespace.get(name)
+    if current is value or _defined_in(current, namespace):
+        return
+    namespace[name] = value
+
+
+def _defined_in(value: Any, namespace: dict[str, Any]) -> bool:
+    """``value`` was defined by code that ran in ``namespace`` (a session's cell), not sent by value."""
+    if isinstance(value, types.FunctionType):
+        return value.__globals__ is namespace
+    if isinstance(value, type):
+        return _is_main_class(value) and value not in set(_rebuilt_main_classes())
+    return False
 
 
 def _is_main_function(value: Any) -> bool:

@@ -65,7 +65,8 @@ class _MetricFile:
     def append(self, lines: str) -> None:
         with self._lock:  # one writer at a time: a torn line is repaired before the next
             try:
-                self._write(("\n" if self._torn else "") + lines)
+                # "\t\n": the torn fragment gets a fifth field, so it never parses as a (wrong) row.
+                self._write(("\t\n" if self._torn else "") + lines)
                 self._torn = False
             except OSError as exc:
                 self._lost(lines.count("\n"), exc)

@@ -103,11 +103,12 @@ def _run_cell(call_dir: str, rank: int, cell: int) -> bool:
         payload, caller = serialization.loads(data)
         del data
         follow_the_caller(caller)
+        known = main_module.rebuilt_so_far()
         fn, args, kwargs, sources = serialization.loads(payload)
         del payload
         for name, lines in sources.items():
             linecache.cache[name] = (sum(map(len, lines)), None, lines, name)
-        main_module.adopt(fn, args, kwargs, _namespace)
+        main_module.adopt(fn, args, kwargs, _namespace, known)
         if fn is cell_runner.run_cell:
             kwargs = {**kwargs, "namespace": _namespace}
         stage = "run"

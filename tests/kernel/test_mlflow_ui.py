@@ -342,10 +342,10 @@ def test_other_users_are_looked_for_again_before_each_start(monkeypatch, store, 
 
 def test_only_the_links_own_names_are_allowed_never_a_wildcard(monkeypatch):
     """What the server answers (issue 48, item 12): the link's host and origin, the hub's public
-    one behind jupyter-server-proxy, and the loopback names of its port; never ``*``."""
+    one behind jupyter-server-proxy, and the loopback names (on any port: a tunnel's); never ``*``."""
     for name in (mlflow_ui.URL_ENV, "JUPYTERHUB_SERVICE_PREFIX", "JUPYTERHUB_PUBLIC_URL", "JUPYTERHUB_HOST"):
         monkeypatch.delenv(name, raising=False)
-    loopback = ["127.0.0.1:5123", "localhost:5123"]
+    loopback = ["127.0.0.1:5123", "localhost:5123", "127.0.0.1:*", "localhost:*"]
     assert mlflow_ui.allowed_names(5123) == (loopback, ["http://127.0.0.1:5123"])
     monkeypatch.setenv(mlflow_ui.URL_ENV, "http://localhost:{port}")
     assert mlflow_ui.allowed_names(5123) == (loopback, ["http://localhost:5123"])

@@ -83,7 +83,11 @@ def test_a_sessions_classes_pickle_in_later_cells_and_calls(ip):
             "def use_tag():\n    import pickle\n    return pickle.loads(pickle.dumps(Tag())).name"
         )
         assert started.run(ip.user_ns["use_tag"]) == ["tag", "tag"]
-        # The session's own names are not replaced by the call's (only classes and functions are taken).
+        # The session's own names are not replaced by the call's: its data, nor a function a cell defined.
         assert _cell(ip, "", "p.x") == [3, 3]
+        _cell(ip, "", "def helper():\n    return 'the session'")
+        ip.run_cell("def helper():\n    return 'the notebook'\ndef use_helper():\n    return helper()")
+        assert started.run(ip.user_ns["use_helper"]) == ["the notebook", "the notebook"]
+        assert _cell(ip, "", "globals()['helper']()") == ["the session", "the session"]
     finally:
         started.stop(quiet=True)

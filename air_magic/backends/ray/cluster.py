@@ -133,8 +133,21 @@ def keep_loopback(imported_before: bool = True) -> None:
     """A loopback address stays loopback: without ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (read when
     Ray is imported) Ray replaces 127.0.0.1 with the host's address and, against a head that listens
     on loopback only, retries every 5 s without end (../shared/NOTES.md)."""
-    os.environ.setdefault(env_names.RAY_LOCAL_ONLY, "0")
-    if imported_before:
+    if not imported_before:
+        # Only for Ray's import: a child of this process (a `ray start` from the notebook) must not
+        # inherit it (it refuses to join a multi-node cluster with it).
+        saved = os.environ.get(env_names.RAY_LOCAL_ONLY)
+        os.environ[env_names.RAY_LOCAL_ONLY] = "0"
+        try:
+            require_ray()
+        except ImportError:
+            pass  # said by the caller's require_ray
+        finally:
+            if saved is None:
+                os.environ.pop(env_names.RAY_LOCAL_ONLY, None)
+            else:
+                os.environ[env_names.RAY_LOCAL_ONLY] = saved
+    else:
         try:
             import importlib
 
@@ -144,14 +157,20 @@ def keep_loopback(imported_before: bool = True) -> None:
             pass
 
 
+_pending: Any = None  # a ray.init still running past its bound (a thread cannot be stopped)
+
+
 def init_timeout() -> float:
     """Seconds a connection may take (``AIR_MAGIC_RAY_INIT_TIMEOUT``, default 60)."""
     text = os.environ.get(env_names.RAY_INIT_TIMEOUT, "")
     try:
-        return float(text) if text else DEFAULT_INIT_TIMEOUT_S
+        bound = float(text) if text else DEFAULT_INIT_TIMEOUT_S
+        if not bound > 0:
+            raise ValueError(text)
+        return bound
     except ValueError:
         raise ConfigurationError(
-            f"{env_names.RAY_INIT_TIMEOUT}={text!r} is not a number of seconds"
+            f"{env_names.RAY_INIT_TIMEOUT}={text!r} is not a positive number of seconds (inf: no bound)"
         ) from None
 
 
@@ -163,13 +182,28 @@ def _init(ray: Any, kwargs: dict[str, Any]) -> None:
     if kwargs.get("address") == "local":  # a Ray of our own, started here: nothing to retry
         _init_once(ray, kwargs)
         return
+    global _pending
+    if _pending is not None and _pending.is_alive():
+        raise ConfigurationError(
+            "an earlier ray_init is still trying to connect (it ran past its bound); wait for it to "
+            "end, or restart the Python process"
+        )
     done: list[BaseException | None] = []
-    thread = threading.Thread(
-        target=lambda: done.append(_caught(_init_once, ray, kwargs)), name="air_magic-ray-init", daemon=True
-    )
+
+    def connect() -> None:
+        done.append(_caught(_init_once, ray, kwargs))
+        if given_up.is_set() and done[0] is None:  # connected after the caller gave up: not used
+            ray.shutdown()
+
+    given_up = threading.Event()
+    thread = threading.Thread(target=connect, name="air_magic-ray-init", daemon=True)
     bound = init_timeout()
+    _pending = thread
     thread.start()
-    thread.join(bound)
+    try:
+        thread.join(None if bound == float("inf") else bound)
+    finally:
+        given_up.set()
     if not done:
         address = kwargs.get("address")
         raise ConfigurationError(
