@@ -474,14 +474,18 @@ def _status(port: int, host: str, origin: str | None = None) -> int:
 
 def test_behind_a_proxy_the_hubs_host_reaches_the_server_and_not_otherwise(store, monkeypatch):
     """jupyter-server-proxy forwards the browser's Host and Origin (the hub's name): the server
-    accepts them only when it serves through a proxy; on plain loopback MLflow's guard stays."""
+    accepts the hub's name only when it serves through a proxy of a hub that names itself
+    (JUPYTERHUB_PUBLIC_URL), and no other name (issue 48 item 12); on plain loopback MLflow's
+    guard stays."""
     pytest.importorskip("jupyter_server_proxy")
     port = int(mlflow_ui.ensure_ui(store).rsplit(":", 1)[1])
     assert _status(port, f"127.0.0.1:{port}") == 200
     assert _status(port, "hub.example.org", "https://hub.example.org") == 403  # DNS rebinding guard
     assert mlflow_ui.stop_ui(store)
     monkeypatch.setenv("JUPYTERHUB_SERVICE_PREFIX", "/user/ada/")
+    monkeypatch.setenv("JUPYTERHUB_PUBLIC_URL", "https://hub.example.org/user/ada/")
     base = mlflow_ui.ensure_ui(store)
     assert base.startswith("/user/ada/proxy/")
     port = int(base.rsplit("/", 1)[1])
     assert _status(port, "hub.example.org", "https://hub.example.org") == 200
+    assert _status(port, "evil.example", "https://evil.example") == 403
