@@ -76,14 +76,13 @@ class _MetricFile:
             flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
             self._fd = os.open(self.path, flags, 0o600)
         data = text.encode()
-        while data:  # a regular file takes it all at once, or fails part-way when the disk fills
-            try:
-                data = data[os.write(self._fd, data) :]
-            except OSError:
-                self._torn = self._torn or len(data) < len(text.encode())
-                raise
-            if data:
-                self._torn = True  # a short write: what is left may not reach the file
+        written = 0
+        try:
+            while written < len(data):  # a regular file takes it all, or fails part-way when full
+                written += os.write(self._fd, data[written:])
+        finally:
+            if 0 < written < len(data):
+                self._torn = True  # part of a line reached the file
 
     def _lost(self, rows: int, exc: OSError) -> None:
         self.lost += rows

@@ -275,17 +275,22 @@ def test_runs_lists_the_calls_and_logs_prints_a_ranks_log(project, tmp_path):
     assert missing.returncode == 2 and "no call 'no-such-run'" in missing.stderr
 
 
-def test_run_detach_returns_at_once_and_attach_follows_to_the_exit_status(project, tmp_path):
+def _gated_script(tmp_path, name: str, end: str = ""):
+    """A script whose ranks print 'before', wait for the gate file, print 'after' (then ``end``)."""
     gate = tmp_path / "gate"
-    script = tmp_path / "waits.py"
+    script = tmp_path / name
     script.write_text(
         "import os, sys, time\n"
         "print('rank', os.environ['RANK'], 'before', flush=True)\n"
         f"while not os.path.exists({str(gate)!r}):\n"
         "    time.sleep(0.02)\n"
-        "print('rank', os.environ['RANK'], 'after', flush=True)\n"
-        "sys.exit(3 if os.environ['RANK'] == '1' else 0)\n"
+        "print('rank', os.environ['RANK'], 'after', flush=True)\n" + end
     )
+    return script, gate
+
+
+def test_run_detach_returns_at_once_and_attach_follows_to_the_exit_status(project, tmp_path):
+    script, gate = _gated_script(tmp_path, "waits.py", "sys.exit(3 if os.environ['RANK'] == '1' else 0)\n")
     started = air_magic(project, "--detach", "-n", "2", str(script))
     assert started.returncode == 0, started.stderr
     run_id = started.stdout.split("detached run ")[1].split()[0]
@@ -649,15 +654,7 @@ def _status_of(run_id: str) -> list[str]:
 
 def test_a_torn_state_json_still_lists_and_attaches_its_run(project, tmp_path):
     """Issue 48 #11: a truncated state.json hid a running detached run from runs() and attach."""
-    gate = tmp_path / "gate"
-    script = tmp_path / "gated.py"
-    script.write_text(
-        "import os, time\n"
-        "print('rank', os.environ['RANK'], 'before', flush=True)\n"
-        f"while not os.path.exists({str(gate)!r}):\n"
-        "    time.sleep(0.02)\n"
-        "print('rank', os.environ['RANK'], 'after', flush=True)\n"
-    )
+    script, gate = _gated_script(tmp_path, "gated.py")
     run_id, run = _detached_run(project, str(script))
     deadline = time.monotonic() + 120
     while not all("before" in invoke("logs", run_id, str(rank), cwd=project).stdout for rank in (0, 1)):

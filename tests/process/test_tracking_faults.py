@@ -52,6 +52,13 @@ def _run_helper(script: str, *args: str, timeout: float = 180) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def _run_code(code: str, env: dict[str, str], cwd, timeout: float) -> subprocess.CompletedProcess:
+    """A caller running ``code`` (python -c) in ``cwd``, to its end."""
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd
+    )
+
+
 def _statuses(experiment: str) -> list[str]:
 
     from air_magic import paths
@@ -212,14 +219,7 @@ def test_the_ranks_of_an_untracked_call_do_not_wait_on_the_server_that_was_down(
     uri = f"http://127.0.0.1:{_closed_port()}"
     env = _caller_env(MLFLOW_TRACKING_URI=uri, AIR_MAGIC_MLFLOW_DIR=str(tmp_path / "m"))
     try:
-        done = subprocess.run(
-            [sys.executable, "-c", RANKS_LOG_METRICS],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env=env,
-            cwd=tmp_path,
-        )
+        done = _run_code(RANKS_LOG_METRICS, env, tmp_path, timeout=120)
     except subprocess.TimeoutExpired:
         pytest.fail("the ranks' mlflow.log_metric waited on the refusing server")
     assert done.returncode == 0, done.stderr[-3000:]  # before: a timeout, the ranks in MLflow's retries
@@ -288,14 +288,7 @@ def test_a_tracking_uri_that_is_not_mlflow_runs_the_call_untracked_within_the_bo
     from air_magic.tracking import remote
 
     env = _caller_env(MLFLOW_TRACKING_URI=not_mlflow, AIR_MAGIC_MLFLOW_DIR=str(tmp_path / "m"))
-    done = subprocess.run(
-        [sys.executable, "-c", TIMED_UNTRACKED_CALLS],
-        capture_output=True,
-        text=True,
-        timeout=150,
-        env=env,
-        cwd=tmp_path,
-    )
+    done = _run_code(TIMED_UNTRACKED_CALLS, env, tmp_path, timeout=150)
     assert done.returncode == 0, done.stderr[-3000:]  # before (404): MlflowException, exit 1
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
     lines = done.stdout.strip().splitlines()[-2:]
@@ -354,14 +347,7 @@ def test_a_read_only_embedded_store_runs_the_call_untracked_and_names_the_folder
     folder = new_store(point / "store")  # a store as MLflow leaves a new one, 0600 in 0700
     make_read_only()
     env = _caller_env(AIR_MAGIC_MLFLOW_DIR=folder)
-    done = subprocess.run(
-        [sys.executable, "-c", UNTRACKED_CALLS],
-        capture_output=True,
-        text=True,
-        timeout=150,
-        env=env,
-        cwd=tmp_path,
-    )
+    done = _run_code(UNTRACKED_CALLS, env, tmp_path, timeout=150)
     assert done.returncode == 0, done.stderr[-3000:]  # before: a bare OSError [Errno 30], no path
     assert done.stdout.strip().splitlines()[-1] == "[7, 7] [7, 7] None"
     warnings = [line for line in done.stderr.splitlines() if "runs UNTRACKED" in line]
