@@ -178,13 +178,16 @@ class CallLoop(ABC):
                 self.ledger.close()
                 self.router.close()
                 discard_rank_files(self.log_dir)  # the ranks are gone: their stack files with them
+                said = None if error is None else f"{type(error).__name__}: {error}"
+                if self.request.channel is not None:  # a session: its cells' outcomes count too
+                    outcome, said = self.request.channel.own_outcome(outcome, said)
                 self.bus.emit(
                     RunFinished(
                         run_id=self.run_id,
                         outcome=outcome,
                         elapsed=time.monotonic() - self.started,
                         log_dir=self.log_dir,
-                        error=None if error is None else f"{type(error).__name__}: {error}",
+                        error=said,
                         failed_rank=self.ledger.failed_rank,
                     )
                 )

@@ -27,6 +27,7 @@ from air_magic.calls.history import RunHistory
 from air_magic.calls.session_cell import SessionCell
 from air_magic.display.widgets import make_consumers
 from air_magic.errors import ConfigurationError, DistributedTimeoutError, SessionEndedError
+from air_magic.launch.failures import root_cause_rank
 from air_magic.launch.ledger import timeout_error
 from air_magic.launch.payload import build_payload
 from air_magic.launch.request import CellSender, RunResult
@@ -92,6 +93,9 @@ class CellLoop:
         raise NotImplementedError
 
     def _tracked(self) -> Any:
+        raise NotImplementedError
+
+    def _deactivate(self) -> None:
         raise NotImplementedError
 
     # -- one cell ---------------------------------------------------------------------------
@@ -298,10 +302,14 @@ class CellLoop:
                 elapsed=time.monotonic() - cell.started,
                 log_dir=self.log_dir or "",
                 error=None if error is None else f"{type(error).__name__}: {error}",
-                failed_rank=cell.failed_rank() if outcome is Outcome.FAILED else None,
+                failed_rank=root_cause_rank(error) if outcome is Outcome.FAILED else None,
             )
         )
         self._log_step_once(cell, outcome)
+        if self._finished is not None or self.state == "ended":
+            # The session ended under this cell, which said so: the next cell is not told again
+            # (as if it had ended "between cells"), it runs fresh ranks as any cell without one.
+            self._deactivate()
         if cell.number and outcome is not Outcome.SUCCEEDED:
             self._failed_cells.append((cell.number, f"{type(error).__name__}: {error}" if error else outcome))
 

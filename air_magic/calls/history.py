@@ -77,15 +77,6 @@ class RunHistory:
                 _write_summary(self._current)
 
 
-def amend(run_id: str, *, outcome: str, error: str | None) -> None:
-    """A call's outcome, said better than its RunFinished could (a persistent session whose ranks
-    ended well though some of its cells failed): in memory and in its run.json."""
-    for info in list(_runs):  # other threads append
-        if info.run_id == run_id:
-            info.outcome, info.error = outcome, error
-            _write_summary(info)
-
-
 def last_run() -> RunInfo | None:
     """The most recent run of this process (``None`` before the first)."""
     return _runs[-1] if _runs else None

@@ -38,7 +38,7 @@ from typing import Any
 
 from air_magic import paths
 from air_magic.backends.output import RankTail
-from air_magic.calls import call, history
+from air_magic.calls import call
 from air_magic.calls.cell_loop import CellLoop
 from air_magic.calls.held_names import CallerChanges, HeldNames
 from air_magic.calls.session_cell import SessionCell
@@ -232,11 +232,8 @@ class Session(CellLoop):
     def stop(self, wait_s: float = STOP_WAIT_S, quiet: bool = False) -> None:
         """End the session: each rank leaves its loop (its process group ends), then every process
         is gone. Safe to call twice."""
-        global _active
         self.names.clear()  # the notebook's objects are its own again (and not kept alive here)
-        with _active_lock:
-            if _active is self:
-                _active = None
+        self._deactivate()
         if self.state == "ended" or self._thread is None:
             self.state = "ended"
             return
@@ -369,15 +366,6 @@ class Session(CellLoop):
             return  # the cell's own ticks come from the caller's thread
         with self._lock:
             current = self._current
-        if isinstance(event, RunFinished) and event.outcome == Outcome.SUCCEEDED and self._failed_cells:
-            # Its ranks ended well, but not every cell did: `air-magic runs` must not say succeeded.
-            first, why = self._failed_cells[0]
-            history.amend(
-                self.id,
-                outcome=Outcome.FAILED,
-                error=f"{len(self._failed_cells)} of {self.cells} cell(s) failed; "
-                f"the first, cell {first}: {why}",
-            )
         if isinstance(event, RunFinished) and current is not None:
             # The session ends under a cell: its step goes in before the run's end (queued next,
             # on this thread), which the cell's own end, on the caller's thread, comes after.
@@ -388,6 +376,15 @@ class Session(CellLoop):
     def connect(self, sender: CellSender) -> None:
         """The backend's line to the ranks, before any rank starts (CellChannel)."""
         self._sender = sender
+
+    def own_outcome(self, outcome: Outcome, error: str | None) -> tuple[Outcome, str | None]:
+        """Its ranks ended well, but not every cell did: neither `air-magic runs` nor its MLflow run
+        may say succeeded (the one rule both read: the session call's RunFinished says it)."""
+        if outcome != Outcome.SUCCEEDED or not self._failed_cells:
+            return outcome, error
+        first, why = self._failed_cells[0]
+        count = f"{len(self._failed_cells)} of {self.cells} cell(s) failed; the first, cell {first}: {why}"
+        return Outcome.FAILED, count
 
     def answered(self, rank: int, answer: dict[str, Any], outcome: bytes | None) -> None:
         """A rank's answer, after everything it printed before it (the backend's thread)."""
@@ -416,6 +413,10 @@ class Session(CellLoop):
         self.ended_why = why
         self._stop_ranks()
         self.state = "ended"
+        self._deactivate()
+
+    def _deactivate(self) -> None:
+        """No longer the session cells run in (its end was said, or it is stopping)."""
         global _active
         with _active_lock:
             if _active is self:

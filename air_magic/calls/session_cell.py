@@ -74,10 +74,6 @@ class SessionCell:
     def succeeded(self) -> bool:
         return all(self.answers.get(r) for r in range(self.world_size))
 
-    def failed_rank(self) -> int | None:
-        failed = [r for r, ok in self.answers.items() if not ok and r not in self.interrupted]
-        return min(failed) if failed else None
-
     def values(self) -> list[Any]:
         """Every rank's value, in rank order."""
         missing = [rank for rank in range(self.world_size) if rank not in self.results]

@@ -102,6 +102,18 @@ def root_cause_order(failures: list[RankFailure]) -> list[RankFailure]:
     return sorted(failures, key=lambda f: (f.collateral, f.time, f.rank))
 
 
+def root_cause_rank(error: BaseException | None) -> int | None:
+    """The root cause's rank of an error :func:`build_exception` made (or of its cause: a session's
+    end raised over a rank's failure); None for any other error. What a call's RunFinished names,
+    so a tab, a history line and a tag never name another rank than the exception does."""
+    while error is not None:
+        failures = getattr(error, "air_magic_failures", None)
+        if failures:
+            return int(failures[0][0])
+        error = error.__cause__
+    return None
+
+
 def build_exception(
     failures: list[RankFailure],
     *,

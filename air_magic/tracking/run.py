@@ -100,6 +100,7 @@ class TrackedRun:
     env: dict[str, str]
     log_dir: str | None = None
     failed_rank: int | None = None
+    outcome: str | None = None  # the call's RunFinished's
     error: str | None = None
     metrics: MetricWriter | None = None
     jobs: queue.SimpleQueue[Callable[[], object] | str] = field(default_factory=queue.SimpleQueue, repr=False)
@@ -136,6 +137,7 @@ class TrackedRun:
         elif isinstance(event, RunFinished):
             self.failed_rank = event.failed_rank
             self.error = event.error
+            self.outcome = event.outcome
 
     def serve(self) -> None:
         """The owner thread: run the queued MLflow work in order; the call's outcome is the last job.
@@ -212,7 +214,11 @@ class TrackedRun:
             shutil.rmtree(metrics.directory, ignore_errors=True)
 
     def _end(self, outcome: str) -> None:
-        """Write what is left and end the run with the status that matches ``outcome``. Never raises."""
+        """Write what is left and end the run with the status that matches ``outcome``. Never raises.
+
+        The call's RunFinished, when it came, says the outcome: the one its history line says (a
+        session's counts its cells' outcomes, calls/persistent.py)."""
+        outcome = self.outcome or outcome
         self._close_metrics()  # every rank is gone: what they logged is all in the files
         if self._monitor is not None:
             with contextlib.suppress(Exception):  # never keeps the run from ending

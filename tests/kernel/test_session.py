@@ -366,3 +366,58 @@ def test_leaving_a_session_held_by_a_non_daemon_thread_says_why(ip, session, cap
     assert "still ending 2 s after the stop (a thread that is not a daemon" in err, err
     assert "stacks.txt" in err and "they are stopped at 4 s" in err
     assert _gone(pids)
+
+
+@warm_only
+def test_the_end_a_cell_said_is_not_said_again_by_the_next_cell(ip, session):
+    with pytest.raises(persistent.SessionEndedError, match="ended during") as info:
+        cell(ip, "import os, signal\nif os.environ['RANK'] == '1': os.kill(os.getpid(), signal.SIGKILL)")
+    assert "SIGKILL" in str(info.value), str(info.value)
+    # Said once, by the cell it ended under: the next cell is not told it ended "between cells".
+    assert cell(ip, "1", "-n 2 --display none --no-tracking")[0] == [1, 1]
+
+
+@warm_only
+def test_a_session_cells_failed_rank_is_its_exceptions_root_cause(ip, session, monkeypatch):
+    from helpers.recording import Recorder
+
+    from air_magic.protocol.events import RunFinished
+
+    recorder = Recorder()
+    made = cell_loop.make_consumers
+    monkeypatch.setattr(cell_loop, "make_consumers", lambda *a: [*made(*a), recorder])
+    with pytest.raises(ValueError, match="rank 1 first") as info:
+        cell(  # rank 1 raises first; rank 0 raises on its own later: the root cause is rank 1, not 0
+            ip,
+            "import os, time\nif os.environ['RANK'] == '1':\n    raise ValueError('rank 1 first')\n"
+            "time.sleep(0.5)\nraise ValueError('rank 0 later')",
+        )
+    assert info.value.air_magic_rank == 1
+    (finished,) = recorder.of(RunFinished)
+    assert finished.failed_rank == 1, finished  # its tab, its history line, its MLflow tag
+
+
+def test_a_restarted_sessions_history_and_mlflow_run_say_the_same(ip):
+    import json
+    from pathlib import Path
+
+    from mlflow.tracking import MlflowClient
+
+    from air_magic.paths import embedded_mlflow_uri
+
+    started, _ = line(ip, "session start -n 2 --display none --timeout 60")
+    try:
+        with pytest.raises(ZeroDivisionError):
+            cell(ip, "1 / 0")
+        with pytest.raises(TimeoutError):
+            cell(ip, "import time\ntime.sleep(60)", "--timeout 1")
+        new, _ = line(ip, "session restart")
+        new.stop(quiet=True)
+    finally:
+        started.stop(quiet=True)
+    summary = json.loads(Path(started.log_dir, "run.json").read_text())
+    run = MlflowClient(embedded_mlflow_uri()).get_run(started.record.run_id)
+    assert summary["outcome"] == run.data.tags["air_magic.outcome"] == "failed", (summary, run.data.tags)
+    assert run.info.status == "FAILED"
+    assert summary["error"].startswith("2 of 2 cell(s) failed; the first, cell 1: ZeroDivisionError")
+    assert run.data.tags["air_magic.error"] == summary["error"][: len(run.data.tags["air_magic.error"])]
