@@ -15,6 +15,8 @@ APP = "air_magic"
 TEMP_PREFIX = f"{APP}-"  # private temp folders: air_magic-<kind>-<random>.<owner>
 METRICS_KIND = "metrics"  # a call's metric folder: air_magic-metrics-<random>.<owner>
 METRICS_RUN_FILE = "run-id"  # in a metric folder: the MLflow run its rows belong to (an import after a kill)
+# In a metric folder whose run's end the store refused: how the call ended (the run gets it when stored).
+METRICS_OUTCOME_FILE = "outcome"
 STARTER_LOG = "starter.log"  # the warm starter's own output, beside the call folders
 MLFLOW_DB = "mlflow.db"
 MLFLOW_DB_LOCK = "mlflow.db.lock"  # flock: one process at a time opens (and migrates) the store

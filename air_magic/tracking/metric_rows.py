@@ -96,6 +96,18 @@ class SqliteRows:
             connection.exec_driver_sql(self._latest, list(latest.values()))
 
 
+# SQLAlchemy's first line when a query's autoflush failed: the cause is on the next line.
+_PREAMBLE = "(raised as a result of"
+
+
+def short_error(exc: BaseException, limit: int = 300) -> str:
+    """A store's error in one line: without the SQL, the parameters and the traceback SQLAlchemy
+    and MLflow append, or a whole HTML page a proxy answered."""
+    lines = [line.strip() for line in str(exc).strip().splitlines()]
+    text = next((line for line in lines if line and not line.startswith(_PREAMBLE)), "")
+    return f"{type(exc).__name__}: {text[:limit]}"
+
+
 def sink_for(client: Any, run_id: str) -> Sink:
     """:class:`SqliteRows` when the client's store is a sqlite one of MLflow's, else :class:`LogBatch`."""
     try:

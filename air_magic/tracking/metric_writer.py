@@ -15,8 +15,12 @@ Why one writer in the caller rather than each rank batching for itself:
   interrupted rank loses nothing; a rank-side buffer loses its last interval;
 - the measurements are in docs/benchmarks.md ("Metrics").
 
-Lines that cannot be written (the store is down) are kept and retried on the
-next pass; what is still unwritten at the end is reported in one warning.
+Lines that cannot be written (the store is down, its disk is full) stay where
+they are, in the files, and are retried on the next pass: at most
+:data:`MAX_PENDING` rows are held in memory, the rest are read when those are
+written. What is still unstored at the end is counted (:meth:`MetricWriter.close`);
+the folder is then kept, and the run's end is tried again at the process's next
+tracked call (``tracking/run.py``).
 
 A caller killed mid-call (SIGKILL, a kernel restart, a detached run's supervisor)
 leaves its metric folder behind with the rows it had not written yet. The folder
@@ -38,6 +42,10 @@ from air_magic.threads import start_in_context
 from air_magic.tracking import metric_rows
 
 INTERVAL_S = 0.5  # metrics reach the store (and the UI) within about this much, plus a batch's write
+# While the store refuses rows, at most this many wait in memory (about 20 MB); the others wait in
+# the ranks' files, read once these are written. A pass reads at most READ_BYTES of each file.
+MAX_PENDING = 100_000
+READ_BYTES = 8 << 20
 
 
 class MetricWriter:
@@ -61,6 +69,7 @@ class MetricWriter:
         self._stop = threading.Event()
         self._lock = threading.Lock()  # one pass at a time: the thread's and close()'s
         self._warned = False
+        self.last_error: str | None = None  # the store's last refusal, in one line
         self._thread: threading.Thread | None = None
         with contextlib.suppress(OSError):  # for an import after a kill; a full disk costs only that
             fd = os.open(os.path.join(directory, paths.METRICS_RUN_FILE), os.O_WRONLY | os.O_CREAT, 0o600)
@@ -84,28 +93,48 @@ class MetricWriter:
             self._warn(f"reading the ranks' metrics failed: {exc!r}")
             return False
 
-    def close(self) -> None:
-        """Stop the thread and write everything the ranks logged. Never raises."""
+    def close(self) -> int:
+        """Stop the thread and write everything the ranks logged; the rows left unstored (0: every
+        row is in the store). Never raises; safe to call again (a later retry)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
         # A store that failed once may answer on a retry (a sqlite store busy for a moment);
         # 3 passes, back to back, give it that chance without holding the call's end for long
-        # on a store that is down.
-        for _ in range(3):
-            if self._safe_pass() and not self._pending:
-                break
-        if self._pending:
-            self._warned = False  # this one is always said
-            self._warn(f"{len(self._pending)} metric(s) could not be written to MLflow run {self.run_id}")
+        # on a store that is down. A backlog larger than memory takes one pass per MAX_PENDING.
+        failures = 0
+        while failures < 3:
+            if not self._safe_pass():
+                failures += 1
+            elif not self._pending and not self._unread():
+                return 0
+        return len(self._pending) + self._unread()
+
+    def _unread(self) -> int:
+        """Complete lines in the files that no pass has read yet."""
+        count = 0
+        for path in self._files():
+            try:
+                with open(path, "rb") as f:
+                    f.seek(self._offsets.get(path, 0))
+                    while chunk := f.read(1 << 20):
+                        count += chunk.count(b"\n")
+            except OSError:
+                continue
+        return count
+
+    def _files(self) -> list[str]:
+        names = sorted(os.listdir(self.directory)) if os.path.isdir(self.directory) else []
+        # Not the run's name (METRICS_RUN_FILE): only the ranks' .tsv files.
+        return [os.path.join(self.directory, name) for name in names if name.endswith(".tsv")]
 
     def write_pass(self) -> bool:
         """Read new lines and write them; False when the store refused a batch (they stay pending)."""
         with self._lock:
-            for name in sorted(os.listdir(self.directory)) if os.path.isdir(self.directory) else []:
-                if not name.endswith(".tsv"):
-                    continue  # the run's name (METRICS_RUN_FILE)
-                for line in self._new_lines(os.path.join(self.directory, name)):
+            for path in self._files():
+                if len(self._pending) >= MAX_PENDING:
+                    break  # the rest waits in the files until these are stored
+                for line in self._new_lines(path):
                     try:
                         key, value, timestamp, step = line.split("\t")
                         self._pending.append((key, float(value), int(timestamp), int(step)))
@@ -119,7 +148,11 @@ class MetricWriter:
                 try:
                     self._sink.write(batch)
                 except Exception as exc:  # noqa: BLE001 - kept and retried; training goes on
-                    self._warn(f"writing metrics to MLflow run {self.run_id} failed (will retry): {exc}")
+                    self.last_error = metric_rows.short_error(exc)
+                    self._warn(
+                        f"MLflow run {self.run_id} refused metric rows ({self.last_error}); the training "
+                        "goes on, and the rows wait in the ranks' files to be stored later"
+                    )
                     return False
                 del self._pending[: len(batch)]
                 self.written += len(batch)
@@ -130,7 +163,7 @@ class MetricWriter:
         try:
             with open(path, "rb") as f:
                 f.seek(self._offsets.get(path, 0))
-                data = f.read()
+                data = f.read(READ_BYTES)
         except FileNotFoundError:
             return []
         if not data:
@@ -150,13 +183,25 @@ class MetricWriter:
                 warnings.warn(f"air_magic: {message}", RuntimeWarning, stacklevel=2)
 
 
-def import_left_behind(client: Any, run_id: str, folder: str | None = None) -> int:
+def keep_outcome(directory: str, outcome: str) -> None:
+    """The call's outcome beside its rows, for a later process that ends the run (the store refused
+    the end); a folder on a full disk too keeps only what it can."""
+    with contextlib.suppress(OSError):
+        fd = os.open(os.path.join(directory, paths.METRICS_OUTCOME_FILE), os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, outcome.encode())
+        finally:
+            os.close(fd)
+
+
+def import_left_behind(client: Any, run_id: str, folder: str | None = None) -> tuple[int, str | None]:
     """Import the rows a dead caller's metric folders hold for ``run_id``, then remove those folders.
 
-    Returns the rows found. Only folders whose owner is dead are read (a live caller's writer is
-    still at work); each is read whole: the sqlite sink ignores rows the store already has.
+    Returns the rows found, and the call's outcome when a folder kept it (:func:`keep_outcome`).
+    Only folders whose owner is dead are read (a live caller's writer is still at work); each is
+    read whole: the sqlite sink ignores rows the store already has.
     """
-    found = 0
+    found, outcome = 0, None
     for path in private_files.dead_callers_folders(paths.METRICS_KIND, folder):
         try:
             with open(os.path.join(path, paths.METRICS_RUN_FILE)) as f:
@@ -164,9 +209,11 @@ def import_left_behind(client: Any, run_id: str, folder: str | None = None) -> i
                     continue
         except OSError:
             continue
+        with contextlib.suppress(OSError), open(os.path.join(path, paths.METRICS_OUTCOME_FILE)) as f:
+            outcome = f.read().strip() or outcome
         writer = MetricWriter(client, run_id, path)
-        writer.write_pass()
+        left = writer.close()
         found += writer.written
-        if not writer._pending:
+        if not left:
             private_files.remove_tree(path)
-    return found
+    return found, outcome

@@ -60,18 +60,12 @@ from air_magic.launch.accelerators import AcceleratorPlan
 from air_magic.protocol import env_names
 from air_magic.protocol.events import Event, Outcome, RecordLink, RunFinished, RunStarted
 from air_magic.threads import start_in_context
-from air_magic.tracking import log_upload, remote, resume, store, system_metrics
+from air_magic.tracking import log_upload, metric_writer, remote, resume, store, system_metrics
 from air_magic.tracking.log_upload import LogUploader
+from air_magic.tracking.metric_rows import short_error
 from air_magic.tracking.metric_writer import MetricWriter
 from air_magic.tracking.mlflow_import import import_mlflow
 
-_STATUS = {
-    Outcome.SUCCEEDED: "FINISHED",
-    Outcome.FAILED: "FAILED",
-    Outcome.TIMEOUT: "FAILED",
-    Outcome.INTERRUPTED: "KILLED",
-    "untracked": "KILLED",  # made too late: the call had gone on without it
-}
 # At interpreter exit: how long runs still open get to be ended (as long as a remote server gets).
 AT_EXIT_WAIT_S = 30.0
 # The error's first line as a tag, cut below MLflow's cap on a tag's value (5000 in 2.x, 8000 in 3.x).
@@ -82,6 +76,7 @@ CHILD_SEARCH_LIMIT = 1000
 # A run's name, cut below MLflow's limit for it (a 250-character column).
 RUN_NAME_CHARS = 200
 _live: list[TrackedRun] = []  # runs of this process not yet ended (for atexit)
+_unended: list[TrackedRun] = []  # runs whose end the store refused (TrackedRun._end): tried again
 
 
 @dataclass
@@ -207,22 +202,33 @@ class TrackedRun:
         except Exception as exc:  # noqa: BLE001 - tried again at the next pass, and at the end
             _warn(f"could not copy the logs into MLflow run {self.run_id} yet: {exc}")
 
-    def _close_metrics(self) -> None:
+    def _close_metrics(self) -> int:
+        """The ranks' last rows into the store; the rows it did not take."""
+        return self.metrics.close() if self.metrics is not None else 0
+
+    def _drop_metrics(self) -> None:
+        """The run is stored whole: its metric folder goes."""
         metrics, self.metrics = self.metrics, None
         if metrics is not None:
-            metrics.close()
             shutil.rmtree(metrics.directory, ignore_errors=True)
 
-    def _end(self, outcome: str) -> None:
-        """Write what is left and end the run with the status that matches ``outcome``. Never raises.
+    def _end(self, outcome: str) -> bool:
+        """Write what is left and end the run with the status that matches ``outcome``; False when
+        the store refused part of it (a full disk, a server down): then the run is kept in
+        :data:`_unended`, and the process's next tracked call tries again (:func:`end_unended`).
+        Never raises.
 
         The call's RunFinished, when it came, says the outcome: the one its history line says (a
         session's counts its cells' outcomes, calls/persistent.py)."""
-        outcome = self.outcome or outcome
-        self._close_metrics()  # every rank is gone: what they logged is all in the files
+        outcome = self.outcome = self.outcome or outcome
+        refused: list[str] = []
+        left = self._close_metrics()  # every rank is gone: what they logged is all in the files
+        if left:
+            refused.append(self.metrics.last_error if self.metrics and self.metrics.last_error else "")
         if self._monitor is not None:
+            monitor, self._monitor = self._monitor, None
             with contextlib.suppress(Exception):  # never keeps the run from ending
-                system_metrics.stop(self._monitor)
+                system_metrics.stop(monitor)
         self._end_children(outcome)
         tags = {"air_magic.outcome": outcome}
         if self.failed_rank is not None:
@@ -243,11 +249,34 @@ class TrackedRun:
                     self.client, self.run_id, paths.embedded_mlflow_dir()
                 )
         except Exception as exc:  # noqa: BLE001 - the run must still be ended below
-            _warn(f"could not record logs and tags in MLflow run {self.run_id}: {exc}")
+            refused.append(short_error(exc))
         try:
-            self.client.set_terminated(self.run_id, _STATUS.get(outcome, "FAILED"))
+            self.client.set_terminated(self.run_id, store.terminal_status(outcome))
         except Exception as exc:  # noqa: BLE001 - never hide the call's own outcome
-            _warn(f"could not end MLflow run {self.run_id}: {exc}")
+            refused.append(short_error(exc))
+        if not refused:
+            self._drop_metrics()
+            if self in _unended:
+                _unended.remove(self)
+            return True
+        if self not in _unended:
+            _unended.append(self)
+            if self.metrics is not None:  # if this process ends first, the next one ends the run
+                metric_writer.keep_outcome(self.metrics.directory, outcome)
+            why = next((r for r in refused if r), "the store refused it")
+            folder = self.metrics.directory if self.metrics is not None else "?"
+            kept = f"; {left} metric row(s) it did not take wait in {folder}" if left else ""
+            _warn(
+                f"MLflow run {self.run_id} could not be stored whole ({why}){kept}. The call itself "
+                f"{outcome}; the next tracked call into this store (this process's, or a later "
+                "one's) stores the rest and ends the run"
+            )
+        return False
+
+    def end_again(self) -> bool:
+        """An earlier try of :meth:`_end` was refused: try again (on the owner thread of a later call)."""
+        assert self.outcome is not None
+        return self._end(self.outcome)
 
     def _end_children(self, outcome: str) -> None:
         """End the runs that ranks started under this one and left RUNNING (see worker/mlflow_hook.py).
@@ -265,7 +294,7 @@ class TrackedRun:
                 max_results=CHILD_SEARCH_LIMIT,
             )
             for child in children:
-                self.client.set_terminated(child.info.run_id, _STATUS.get(outcome, "FAILED"))
+                self.client.set_terminated(child.info.run_id, store.terminal_status(outcome))
         except Exception as exc:  # noqa: BLE001 - the call's own run must still be ended
             _warn(f"could not end the runs the ranks started under MLflow run {self.run_id}: {exc}")
 
@@ -426,11 +455,13 @@ def _create_run(
     """Create the call's run (on its owner thread); None when the call ended before it began."""
     from mlflow.tracking import MlflowClient
 
+    store.quiet_store_errors()
     with store.setup_lock(uri):
         client = MlflowClient(tracking_uri=uri)
     resume_id = resume.run_to_resume(call.resume_run_id, active)
     if resume_id is not None:
         store.end_orphaned_runs(client, uri)  # before the run to resume is checked (it may be one)
+        end_unended(uri)
         if not jobs.empty():
             return None
         return _track(client, uri, jobs, call, resume.reopen(client, uri, resume_id, call.experiment))
@@ -438,6 +469,7 @@ def _create_run(
     # fails here, and the call runs untracked without a warning from the upkeep below too.
     experiment_id = store.experiment_id(client, uri, active, call.experiment)
     store.end_orphaned_runs(client, uri)
+    end_unended(uri)
     tags = {
         "mlflow.source.name": redact(call.name, call.hidden),
         "mlflow.source.type": "NOTEBOOK" if call.kind == "cell" else "LOCAL",
@@ -541,8 +573,7 @@ def _describe_call(tracked: TrackedRun, call: CallFacts, run: resume.Reopened) -
 def _setup_failed(exc: BaseException) -> str:
     """Why setting the call's run up failed, in one short line (MLflow's errors can carry a whole
     HTML page or a traceback)."""
-    text = (str(exc).splitlines() or [""])[0].strip()
-    return f"could not take this call's run ({type(exc).__name__}: {text[:300]})"
+    return f"could not take this call's run ({short_error(exc)})"
 
 
 def _link(uri: str, experiment_id: str, run_id: str) -> str | None:
@@ -554,6 +585,15 @@ def _link(uri: str, experiment_id: str, run_id: str) -> str | None:
     except Exception as exc:  # noqa: BLE001 - a UI that cannot start must never stop the call
         _warn(f"the MLflow UI could not be started, so the run has no link: {exc}")
         return None
+
+
+def end_unended(uri: str) -> None:
+    """The runs of this process in ``uri`` whose end the store refused (a full disk, a server
+    down), stored and ended now if it takes them: no run is left RUNNING once a later call runs
+    while the store has room. Called on the owner thread of a call that tracks into ``uri``."""
+    for tracked in [t for t in _unended if t.tracking_uri == uri]:
+        if tracked.end_again():
+            _warn(f"MLflow run {tracked.run_id} of an earlier call is stored whole now, and ended")
 
 
 def end_live_runs() -> None:

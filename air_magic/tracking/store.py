@@ -12,6 +12,10 @@
   run's or active experiment, else ``MLFLOW_EXPERIMENT_ID`` /
   ``MLFLOW_EXPERIMENT_NAME``, else the notebook's name (from Jupyter's
   ``JPY_SESSION_NAME``) or the script's, else ``air_magic``.
+- **A store that refuses writes** (a full disk): MLflow's store logs each failed
+  statement at ERROR with its SQL and a traceback, about 30 lines a write. On
+  air_magic's own threads that is dropped (:func:`quiet_store_errors`): the run
+  says the refusal in one line of its own (run.py, metric_writer.py).
 - **Runs whose caller died.** A process killed with SIGKILL cannot end its own
   run; the next process that tracks into the same store marks it KILLED, once,
   on its first call (:func:`end_orphaned_runs`).
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import re
 import socket
@@ -40,6 +45,26 @@ _reaped: set[str] = set()  # tracking URIs already checked for runs whose caller
 # How many RUNNING runs of this host one check looks at: more than one host ever has open (one
 # per call in flight, per process); a store with more is cleaned over several processes' checks.
 ORPHAN_SEARCH_LIMIT = 200
+
+
+STORE_LOGGER = "mlflow.store.db.utils"  # where MLflow's sqlalchemy store logs a failed statement
+
+
+class _NotOnOurThreads(logging.Filter):
+    """Drop records logged on air_magic's threads (the user's own MLflow calls keep theirs)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.threadName or "").startswith("air_magic")
+
+
+_QUIET = _NotOnOurThreads()
+
+
+def quiet_store_errors() -> None:
+    """MLflow's store says nothing of air_magic's own writes: a refusal is said once, in one line."""
+    logger = logging.getLogger(STORE_LOGGER)
+    if _QUIET not in logger.filters:
+        logger.addFilter(_QUIET)
 
 
 def current_uri() -> str:
@@ -237,17 +262,30 @@ def end_orphaned_runs(client: Any, uri: str) -> None:
         for run in runs:
             if not caller_alive(run.data.tags.get("air_magic.caller", "")):
                 # The rows its ranks wrote and it had not stored yet: into the run, before it ends.
-                kept = metric_writer.import_left_behind(client, run.info.run_id)
+                kept, outcome = metric_writer.import_left_behind(client, run.info.run_id)
+                imported = f"; {kept} metric row(s) it left on disk were imported" if kept else ""
+                if outcome is not None:  # the call ended, but the store refused its run's end then
+                    client.set_tag(run.info.run_id, "air_magic.outcome", outcome)
+                    client.set_terminated(run.info.run_id, terminal_status(outcome))
+                    continue
                 client.set_tag(run.info.run_id, "air_magic.outcome", "caller ended")
                 client.set_tag(
                     run.info.run_id,
                     "air_magic.error",
                     "the process that made this call ended before the call did (kernel restart or kill)"
-                    + (f"; {kept} metric row(s) it left on disk were imported" if kept else ""),
+                    + imported,
                 )
                 client.set_terminated(run.info.run_id, "KILLED")
     except Exception as exc:  # noqa: BLE001 - housekeeping must never stop a call
         _warn(f"could not check for runs left RUNNING by ended processes: {exc}")
+
+
+_STATUS = {"succeeded": "FINISHED", "interrupted": "KILLED", "untracked": "KILLED"}
+
+
+def terminal_status(outcome: str) -> str:
+    """The MLflow status a call's outcome ends its run with (failed and timeout: FAILED)."""
+    return _STATUS.get(outcome, "FAILED")
 
 
 def caller_alive(caller: str) -> bool:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import atexit
 import faulthandler
 import linecache
+import logging
 import os
 import signal
 import sys
@@ -113,6 +114,9 @@ def _untracked_mlflow_store(rank: int) -> None:
     call_dir = os.environ.get(env_names.RUN_DIR)
     if os.environ.get("MLFLOW_TRACKING_URI") == wire.UNTRACKED_MLFLOW_URI and call_dir:
         os.environ["MLFLOW_TRACKING_URI"] = wire.untracked_mlflow_uri(call_dir, rank)
+        # The store's INFO lines as it makes its tables ("Creating initial MLflow database
+        # tables..."): ours to make, not the user's to read in every rank's output.
+        logging.getLogger("mlflow.store.db.utils").addFilter(lambda record: record.levelno >= logging.WARNING)
 
 
 def _dump_result(result: Any, rank: int) -> bytes:

@@ -11,11 +11,13 @@ import pytest
 
 
 @contextlib.contextmanager
-def small_tmpfs(where: Path, size: str = "8m") -> Iterator[Path]:
-    """``where`` as a tmpfs of ``size``, unmounted afterwards (lazily, if something still holds it)."""
+def small_tmpfs(where: Path, size: str = "8m", mode: str = "0755") -> Iterator[Path]:
+    """``where`` as a tmpfs of ``size``, unmounted afterwards (lazily, if something still holds it).
+
+    ``mode``: 0700 for a folder that must be private (the embedded MLflow store's)."""
     where.mkdir(parents=True, exist_ok=True)
     mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", str(where)],
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode={mode}", "tmpfs", str(where)],
         capture_output=True,
         text=True,
     )

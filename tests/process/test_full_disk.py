@@ -186,3 +186,102 @@ def test_a_killed_callers_metric_rows_reach_its_run(tmp_path):
     for rank in (0, 1):
         steps = sorted(m.step for m in client.get_metric_history(killed[0].info.run_id, f"loss_{rank}"))
         assert steps == list(range(300)), (rank, len(steps))
+
+
+# Rank 0 fills the store's disk, then each rank logs 2,000 rows; three calls in one process: the
+# store refuses (the run cannot be stored whole), still refuses (the call runs untracked), has
+# room again (the first run is stored whole and ended).
+FILL_STORE = r"""
+import os, sys, time
+import air_magic
+
+ballast = os.path.join(sys.argv[1], "ballast")
+
+@air_magic.distributed(num_accelerators=2, display="text", experiment="full-store")
+def train(ballast, rows=2000):
+    import mlflow
+    rank = int(os.environ["RANK"])
+    if rank == 0 and ballast:
+        try:
+            with open(ballast, "wb") as f:
+                while True:
+                    f.write(b"x" * (1 << 20))
+                    f.flush()
+        except OSError:
+            pass
+    for step in range(rows):
+        mlflow.log_metric(f"loss_{rank}", 1.0 / (step + 1), step=step)
+        if step % 500 == 0:
+            time.sleep(0.6)  # the writer's passes see the store refuse
+    return rank
+
+started = time.monotonic()
+print("FIRST", train.distributed(ballast), air_magic.last_run().mlflow_run_id, flush=True)
+if sys.argv[2] == "exit":
+    sys.exit(0)
+# Untracked: the ranks' own MLflow calls go to a store of their call folder, a row at a time.
+print("SECOND", train.distributed(ballast, 20), flush=True)
+os.remove(ballast)
+print("THIRD", train.distributed(None, 20), flush=True)
+print("TOOK", time.monotonic() - started)
+"""
+
+
+def _fill_the_store(tmp_path, store_disk, then):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    env.update(AIR_MAGIC_MLFLOW_DIR=str(store_disk / "mlflow"), MLFLOW_DISABLE_TELEMETRY="true")
+    done = subprocess.run(
+        [sys.executable, "-c", FILL_STORE, str(store_disk), then],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-4000:]
+    first = next(line for line in done.stdout.splitlines() if line.startswith("FIRST"))
+    assert first.startswith("FIRST [0, 1] "), first
+    return env, out, first.split()[-1]
+
+
+def _stored_whole(store_disk, run_id):
+    client = MlflowClient(f"sqlite:///{store_disk}/mlflow/{paths.MLFLOW_DB}")
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["air_magic.outcome"] == "succeeded", run
+    for rank in (0, 1):
+        steps = sorted(m.step for m in client.get_metric_history(run_id, f"loss_{rank}"))
+        assert steps == list(range(2000)), (rank, len(steps))
+
+
+@fault(
+    "the embedded store's disk fills during a call",
+    "the training goes on; one line while refused, one at the end with the rows kept on disk; "
+    "the next call with room stores them and ends the run",
+)
+def test_a_store_disk_that_fills_mid_call_loses_no_row_and_leaves_no_run_running(tmp_path):
+    with small_tmpfs(tmp_path / "store", "12m", mode="0700") as store_disk:
+        _, out, run_id = _fill_the_store(tmp_path, store_disk, "stay")
+        assert "SECOND [0, 1]" in out and "THIRD [0, 1]" in out, out[-4000:]
+        # No SQL, no traceback from MLflow's store: a refusal is said in one line of its own.
+        assert "Traceback" not in out and "[SQL:" not in out, out[-6000:]
+        assert "mlflow.store.db.utils" not in out, out[-6000:]
+        assert out.count("refused metric rows") == 1, out[-4000:]
+        assert out.count(f"MLflow run {run_id} could not be stored whole") == 1, out[-4000:]
+        assert "metric row(s) it did not take wait in" in out, out[-4000:]
+        assert "this call runs UNTRACKED" in out, out[-4000:]  # the second call: the store is still full
+        assert f"MLflow run {run_id} of an earlier call is stored whole now" in out, out[-4000:]
+        _stored_whole(store_disk, run_id)
+
+
+@fault(
+    "the embedded store's disk fills during a call, and the process exits",
+    "the next process's first tracked call stores the kept rows and ends the run with the call's outcome",
+)
+def test_a_run_the_full_store_refused_is_ended_by_the_next_process(tmp_path):
+    with small_tmpfs(tmp_path / "store", "12m", mode="0700") as store_disk:
+        env, out, run_id = _fill_the_store(tmp_path, store_disk, "exit")
+        assert out.count(f"MLflow run {run_id} could not be stored whole") == 1, out[-4000:]
+        os.remove(store_disk / "ballast")
+        done = subprocess.run(
+            [sys.executable, "-c", NEXT_CALL.replace("killed-caller", "full-store")],
+            env=env, capture_output=True, text=True, timeout=240,
+        )  # fmt: skip
+        assert "NEXT [1]" in done.stdout, done.stderr[-3000:]
+        _stored_whole(store_disk, run_id)

@@ -233,3 +233,41 @@ def test_batched_when_the_warm_starter_preloaded_mlflow(store, monkeypatch):
     monkeypatch.setenv("AIR_MAGIC_PRELOAD", "torch,mlflow")  # a new starter, with mlflow imported
     assert distributed(num_accelerators=2, display="none")(_log_steps).distributed(5) == [True, True]
     assert len(store.get_metric_history(last_run_id(), "loss")) == 10
+
+
+def test_a_store_that_refuses_rows_holds_few_in_memory_and_gets_them_all_later(store, tmp_path, monkeypatch):
+    """While the store refuses (a full disk), at most MAX_PENDING rows wait in memory, the rest in
+    the files; once it takes them again, every row is written, none twice."""
+    from air_magic.tracking import metric_writer
+    from air_magic.tracking.metric_writer import MetricWriter
+
+    monkeypatch.setattr(metric_writer, "MAX_PENDING", 1000)
+    monkeypatch.setattr(metric_writer, "READ_BYTES", 4096)
+    experiment = store.create_experiment("refused", artifact_location=(tmp_path / "a").as_uri())
+    run_id = store.create_run(experiment).info.run_id
+    folder = tmp_path / "metrics"
+    folder.mkdir()
+    for rank in range(2):
+        rows = "".join(f"loss_{rank}\t{step}\t{1700000000000 + step}\t{step}\n" for step in range(5000))
+        (folder / f"rank-{rank}.tsv").write_text(rows)
+
+    class Refusing:
+        batch = 500
+        refuse = True
+        written: list = []
+
+        def write(self, rows):
+            if self.refuse:
+                raise OSError(28, "database or disk is full\n[SQL: INSERT ...]")
+            self.written.extend(rows)
+
+    sink = Refusing()
+    writer = MetricWriter(store, run_id, str(folder), sink=sink)
+    for _ in range(5):
+        assert not writer.write_pass()
+        assert len(writer._pending) <= 1000 + 4096 // 10, len(writer._pending)  # one read past the cap
+    assert writer.last_error == "OSError: [Errno 28] database or disk is full"
+    assert writer.close() == 10_000  # every row not stored is counted: in memory and in the files
+    sink.refuse = False
+    assert writer.close() == 0
+    assert len(sink.written) == 10_000 and len(set(sink.written)) == 10_000
