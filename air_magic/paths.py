@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from air_magic.protocol import env_names
+from air_magic.protocol import env_names, wire
 
 APP = "air_magic"
 TEMP_PREFIX = f"{APP}-"  # private temp folders: air_magic-<kind>-<random>.<owner>
@@ -78,4 +78,4 @@ def run_summary(log_dir: str) -> str:
 
 def rank_log(log_dir: str, rank: int) -> str:
     """A rank's log in the call's log folder: stdout and stderr, whole lines."""
-    return os.path.join(log_dir, f"rank-{rank}.log")
+    return wire.rank_log_path(log_dir, rank)

@@ -58,6 +58,9 @@ RUN_ID = "AIR_MAGIC_RUN_ID"  # the call's id; set means "this process is a rank"
 RUN_DIR = "AIR_MAGIC_RUN_DIR"  # the call's private folder (payload, results, error records)
 LOG_DIR = LOG_ROOT  # in a rank: the call's own log folder (the same name: a rank makes no calls)
 LIFELINE_FD = "AIR_MAGIC_LIFELINE_FD"  # read end of the pipe whose EOF means "the caller is gone"
+# The read ends of the rank's own stdout and stderr pipes ("out,err"): if the caller dies, what is
+# still in them goes into the rank's log before the rank goes (worker/entry.py, _watch_lifeline).
+OUTPUT_FDS = "AIR_MAGIC_OUTPUT_FDS"
 CALLER_PID = "AIR_MAGIC_CALLER_PID"  # the process that made the call (a warm rank's parent is the starter)
 BACKEND = "AIR_MAGIC_BACKEND"  # 'nccl' or 'gloo': what init_process_group() picks
 DEVICE = "AIR_MAGIC_DEVICE"  # 'cuda' or 'cpu'

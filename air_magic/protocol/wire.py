@@ -21,6 +21,12 @@ LAUNCH_FILE = "launch.json"
 PAYLOAD_FILE = "payload.pkl"
 
 
+def rank_log_path(log_dir: str, rank: int | str) -> str:
+    """A rank's log in the call's log folder: stdout and stderr, whole lines (the caller writes
+    it from the rank's pipes; a rank whose caller died appends what the pipes still held)."""
+    return os.path.join(log_dir, f"rank-{rank}.log")
+
+
 def metrics_path(metrics_dir: str, rank: int | str) -> str:
     return os.path.join(metrics_dir, f"rank-{rank}.tsv")
 

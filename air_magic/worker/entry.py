@@ -25,6 +25,7 @@ what the rank left running.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import faulthandler
 import linecache
 import logging
@@ -34,6 +35,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 from typing import Any, NoReturn
 
 # Every rank needs psutil as it exits (_kill_descendants): imported here, it is preloaded in the
@@ -249,12 +251,83 @@ def _watch_lifeline() -> None:
         return
     fd = int(raw)
     os.set_inheritable(fd, False)
+    output = _own_pipes()
 
     def watch() -> None:
         wire.wait_for_eof(fd)
-        os.killpg(os.getpgrp(), signal.SIGKILL)
+        _end_with_the_caller(output)
 
     threading.Thread(target=watch, name="air_magic-lifeline", daemon=True).start()
+
+
+# What a rank whose caller died appends to its log: its pipes hold at most 1 MiB each.
+_UNREAD_MAX = 4 << 20
+
+
+def _own_pipes() -> list[int]:
+    """The read ends of this rank's stdout and stderr pipes (kept from the rank's own children)."""
+    fds = []
+    for text in os.environ.pop(env_names.OUTPUT_FDS, "").split(","):
+        with contextlib.suppress(ValueError, OSError):
+            fd = int(text)
+            os.set_inheritable(fd, False)
+            fds.append(fd)
+    return fds
+
+
+def _end_with_the_caller(output: list[int]) -> None:
+    """The caller is gone: this rank's group stops, what its pipes hold goes into its log, then the
+    group is killed. A fork does it from a group of its own: stopped first, the rank prints nothing
+    more that its log would miss (a thread of the rank, draining while the rank prints on, would)."""
+    group = os.getpgrp()
+    if output:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # Python 3.12's word on fork() in a threaded process
+                pid = os.fork()
+        except OSError:
+            pid = -1
+        if pid == 0:  # only system calls from here: the other threads' locks are not ours
+            try:
+                os.setpgid(0, 0)
+                os.killpg(group, signal.SIGSTOP)
+                _keep_unread_output(output)
+            finally:
+                os.killpg(group, signal.SIGKILL)
+                os._exit(0)
+        if pid > 0:
+            time.sleep(60)  # stopped, then killed, by the fork
+        _keep_unread_output(output)  # no fork: what is there now
+    os.killpg(group, signal.SIGKILL)
+
+
+def _keep_unread_output(fds: list[int]) -> None:
+    """What this rank printed that the caller had not read yet goes to the end of the rank's log."""
+    log_dir, rank = os.environ.get(env_names.LOG_DIR), os.environ.get("RANK")
+    if not fds or not log_dir or rank is None:
+        return
+    chunks = []
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.set_blocking(fd, False)
+            got = 0
+            while got < _UNREAD_MAX:
+                try:
+                    data = os.read(fd, 1 << 20)
+                except BlockingIOError:
+                    break
+                if not data:
+                    break
+                chunks.append(data)
+                got += len(data)
+    if not chunks:
+        return
+    with contextlib.suppress(OSError):
+        log = os.open(wire.rank_log_path(log_dir, rank), os.O_WRONLY | os.O_APPEND)
+        try:
+            os.write(log, b"".join(chunks))
+        finally:
+            os.close(log)
 
 
 _in_rank = False  # True in a rank; the starter installs the exit hook too, for its forks

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -9,7 +10,7 @@ import time
 
 import pytest
 from helpers.paths import script
-from helpers.procs import alive_after
+from helpers.procs import alive_after, gone_within
 
 CALLER = script("caller.py")
 
@@ -54,3 +55,66 @@ def test_sigkill_of_the_caller_takes_every_rank_and_child_within_5_s(tmp_path, m
     proc.kill()
     proc.wait()
     assert alive_after(pids, 5) == []
+
+
+PRINT_UNTIL_KILLED = r"""
+import sys
+import air_magic
+
+@air_magic.distributed(num_accelerators=2, display="none", tracking=False, log_dir=sys.argv[1])
+def printer(flags):
+    import os
+    import time
+    rank = os.environ["RANK"]
+    with open(os.path.join(flags, f"pid-{rank}"), "w") as f:
+        f.write(str(os.getpid()))
+    printed = open(os.path.join(flags, f"printed-{rank}"), "a", buffering=1)
+    for n in range(10_000_000):
+        print(f"line {n} of rank {rank}", flush=True)
+        printed.write(f"{n}\n")  # after the line reached the rank's pipe
+        if n % 10 == 0:
+            time.sleep(0.001)  # fast, but a read of the caller's never splits a line (a full pipe)
+
+if sys.argv[3] == "warm":  # the ranks below are forked by the warm starter
+    from air_magic.backends.local import warm
+
+    assert warm.get_starter(wait_s=120) is not None, "the warm starter did not come up"
+printer.distributed(sys.argv[2])
+"""
+
+
+@pytest.mark.fault(
+    "SIGKILL of a caller script while its ranks print",
+    "every line a rank printed before it went is in its log (the rank stops, appends what its "
+    "pipes held, then goes)",
+)
+@pytest.mark.parametrize("mode", ["cold", "warm"])
+def test_a_killed_caller_loses_no_line_its_ranks_printed(tmp_path, mode):
+    logs, flags = tmp_path / "logs", tmp_path / "flags"
+    flags.mkdir()
+    env = {**os.environ, "AIR_MAGIC_WARM": "1" if mode == "warm" else "0"}
+    args = [sys.executable, "-c", PRINT_UNTIL_KILLED, str(logs), str(flags), mode]
+    proc = subprocess.Popen(args, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            counts = [len((flags / f"printed-{r}").read_text().split()) for r in (0, 1)
+                      if (flags / f"printed-{r}").exists()]  # fmt: skip
+            if len(counts) == 2 and min(counts) > 2000:
+                break
+            time.sleep(0.02)
+    finally:
+        proc.kill()  # mid-print: lines in the pipes, read or not
+        proc.wait()
+    pids = [int((flags / f"pid-{rank}").read_text()) for rank in (0, 1)]
+    assert gone_within(pids, 10), "the ranks did not follow their lifeline"
+    (run,) = list(logs.iterdir())
+    for rank in (0, 1):
+        printed = (flags / f"printed-{rank}").read_text().split()
+        logged = {
+            int(line.split()[1])
+            for line in (run / f"rank-{rank}.log").read_text().splitlines()
+            if line.startswith("line ") and line.endswith(f"of rank {rank}")
+        }
+        missing = [n for n in map(int, printed) if n not in logged]
+        assert not missing, (rank, len(printed), missing[:10])

@@ -24,7 +24,7 @@ from collections.abc import Callable
 import psutil
 
 from air_magic.backends.local import warm
-from air_magic.protocol import wire
+from air_magic.protocol import env_names, wire
 from air_magic.protocol.events import RankState
 from air_magic.worker import entry
 
@@ -47,22 +47,27 @@ def spawn_rank(
     lifeline_r: int,
     out_w: int,
     err_w: int,
+    out_r: int,
+    err_r: int,
 ) -> FreshRank | ForkedRank:
-    """Start one rank: forked by the warm starter when there is one, else a fresh ``sys.executable``."""
+    """Start one rank: forked by the warm starter when there is one, else a fresh ``sys.executable``.
+
+    The rank gets the read ends of its own pipes too (``out_r``, ``err_r``): it never reads them
+    while the caller lives; if the caller dies, what they still hold goes into the rank's log."""
     if starter is not None:
         try:
-            pid = starter.spawn(env, cwd, call_dir, [out_w, err_w, lifeline_r])
+            pid = starter.spawn(env, cwd, call_dir, [out_w, err_w, lifeline_r, out_r, err_r])
             return ForkedRank(pid, starter, call_dir, rank)
         except OSError:
             pass  # the starter broke: this rank starts fresh, and the next call gets a new starter
     proc = subprocess.Popen(
         [sys.executable, "-c", entry.BOOTSTRAP, call_dir],
         cwd=cwd,
-        env=env,
+        env={**env, env_names.OUTPUT_FDS: f"{out_r},{err_r}"},
         stdin=subprocess.DEVNULL,
         stdout=out_w,
         stderr=err_w,
-        pass_fds=(lifeline_r,),
+        pass_fds=(lifeline_r, out_r, err_r),
         start_new_session=True,  # its own process group: teardown reaches its children
     )
     return FreshRank(proc)
@@ -184,15 +189,15 @@ class RankPipes:
         self.selector = selector
         self._sink = sink
 
-    def start(self, rank: int, spawn: Callable[[int, int], FreshRank | ForkedRank]) -> RankSlot:
-        """Make the rank's pipes, ``spawn(out_w, err_w)`` it, and watch its pipes and pidfd."""
+    def start(self, rank: int, spawn: Callable[[int, int, int, int], FreshRank | ForkedRank]) -> RankSlot:
+        """Make the rank's pipes, ``spawn(out_w, err_w, out_r, err_r)`` it, and watch its pipes and pidfd."""
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         for fd in (out_r, err_r):
             with contextlib.suppress(OSError):  # refused past the user's pipe quota: the default size
                 fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, _PIPE_SIZE)
         try:
-            proc = spawn(out_w, err_w)
+            proc = spawn(out_w, err_w, out_r, err_r)
         except BaseException:
             os.close(out_r)
             os.close(err_r)

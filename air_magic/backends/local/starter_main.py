@@ -14,7 +14,8 @@ talks to its caller over one AF_UNIX SOCK_SEQPACKET socket:
   ``{"exited": pid, "code": ...}`` for every rank (and store host) that ends (exit code as
   ``subprocess`` gives it: negative for a signal).
 
-When the caller goes away (EOF), the starter kills what it started and exits.
+When the caller goes away (EOF), what the starter started ends with its own lifeline
+(:data:`CALLER_GONE_GRACE_S` at most, then it is killed), and the starter exits.
 A forked rank becomes a session leader, takes its pipes as stdout/stderr and
 the caller's environment, working folder and umask, is given what a fresh
 interpreter would have of its own (see :func:`_fresh_state`: random seeds, the
@@ -42,6 +43,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Iterator
 from typing import Any, NoReturn
@@ -50,6 +52,8 @@ from air_magic.protocol import env_names
 from air_magic.worker import live_stdout
 
 _MAX_MESSAGE = 1 << 20  # a spawn request holds the rank's environment: large, never a megabyte
+# When the caller is gone: how long its forks get to end with their own lifelines before the kill.
+CALLER_GONE_GRACE_S = 1.0
 
 
 _NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
@@ -139,11 +143,7 @@ def main(control_fd: int, preload: list[str]) -> None:
             except OSError:
                 data, fds = b"", []
             if not data:  # the caller is gone
-                for pid in children:
-                    try:
-                        os.killpg(pid, signal.SIGKILL)
-                    except OSError:
-                        pass
+                _end_children(children)
                 return
             request = json.loads(data)
             pid = os.fork()
@@ -194,6 +194,27 @@ def _keep_preload_finalizers_from_exit() -> None:
 
     for finalizer in list(getattr(weakref.finalize, "_registry", {})):
         finalizer.atexit = False
+
+
+def _end_children(children: set[int]) -> None:
+    """The caller is gone: each fork ends with its own lifeline first (a rank keeps what its pipes
+    still hold in its log, worker/entry.py); what is left after CALLER_GONE_GRACE_S is killed
+    (a rank that had not yet watched its lifeline, a store host)."""
+    deadline = time.monotonic() + CALLER_GONE_GRACE_S
+    while children and time.monotonic() < deadline:
+        try:
+            pid, _status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            time.sleep(0.02)
+        else:
+            children.discard(pid)
+    for pid in children:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except OSError:
+            pass
 
 
 def _reap(sock: socket.socket, children: set[int]) -> None:
@@ -295,7 +316,7 @@ def _take_over_process(
     # SIGINT ignored (exec keeps an ignored signal ignored): the caller says which.
     ignored = request.get("sigint_ignored", False)
     _leave_starter(sock, wake_r, wake_w, signal.SIG_IGN if ignored else signal.default_int_handler)
-    out_w, err_w, lifeline_r = fds
+    out_w, err_w, lifeline_r, *output_r = fds
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.dup2(out_w, 1)
@@ -310,6 +331,7 @@ def _take_over_process(
     sys.stderr = sys.__stderr__ = _unbuffered_like(sys.stderr, 2)  # type: ignore[misc]
     env = dict(request["env"])
     env[env_names.LIFELINE_FD] = str(lifeline_r)
+    env[env_names.OUTPUT_FDS] = ",".join(map(str, output_r))
     os.environ.clear()
     os.environ.update(env)
     os.chdir(request["cwd"])
