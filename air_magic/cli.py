@@ -263,7 +263,7 @@ def _target(kind: str, what: str, argv: list[str]) -> tuple[str, Any, inspect.Bo
 
 def _experiment_of(kind: str, what: str) -> str:
     """The default MLflow experiment of TARGET: a script's or notebook's file name without its
-    suffix, a module's name (``pkg.train``, ``mymod`` of ``mymod:main``), as the README says."""
+    suffix, a module's name (``pkg.train``, ``mymod`` of ``mymod:main``), as docs/cli.md says."""
     if kind in ("script", "notebook", "program"):
         return os.path.splitext(os.path.basename(what))[0]
     return what.partition(":")[0]

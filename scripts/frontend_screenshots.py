@@ -1,4 +1,5 @@
-"""Screenshots for the README's frontends matrix: a notebook as an nbconvert (or GitHub) export shows it.
+"""Screenshots for docs/notebook.md's frontends matrix: a notebook as an nbconvert (or GitHub) export
+shows it.
 
 Executes a two-cell notebook (``%load_ext air_magic``; a ``%%distributed -n 2``
 cell whose rank 1 fails) with nbclient, exports it to HTML without its widget

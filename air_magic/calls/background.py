@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from air_magic import paths
-from air_magic.display.widgets import WidgetDisplay, widgets_available
+from air_magic.display.widgets import WidgetDisplay, rewrite_at_cell_ends, widgets_available
 from air_magic.launch.request import RunResult
 from air_magic.launch.settings import stop_grace_s
 from air_magic.launch.stacks import format_stacks
@@ -119,6 +119,7 @@ class RunHandle:
         self.detached_id: str | None = None  # a detached run's id (calls/detached.py), for attach()
         self.kind = "function"  # what ran: 'function', 'cell', 'script' or 'module'
         self._status_html: Any = None  # the live status line, once displayed in a notebook
+        self._status_shown: list[Any] = []  # its display handles (ids): rewritten at later cells' ends
         self._last_drawn = 0.0
         self._thread: threading.Thread | None = None
 
@@ -220,7 +221,40 @@ class RunHandle:
 
         if self._status_html is None:
             self._status_html = w.HTML(value=self._status_line())
-        display(self._status_html)
+        # The line as text and HTML beside the widget (ipywidgets' own text is "HTML(value=...)"),
+        # rewritten at the end of later cells until the run has ended, as its tabs' record is
+        # (display/widgets.py): a notebook executed by nbclient keeps only what comes during a cell.
+        shown = display(self._status_bundle(), raw=True, display_id=True)
+        if shown is not None:
+            if not self._status_shown:
+                rewrite_at_cell_ends(self._rewrite_status)
+            self._status_shown.append(shown)
+
+    def _status_bundle(self) -> dict[str, Any]:
+        line = self._status_line()
+        took = self._took()
+        ranks = ", ".join(f"{r}: {s}" for r, s in sorted(self.rank_states.items()))
+        return {
+            "application/vnd.jupyter.widget-view+json": {
+                "version_major": 2,
+                "version_minor": 0,
+                "model_id": self._status_html.model_id,
+            },
+            "text/html": line,
+            "text/plain": f"{self.name} in the background: {self._status} · {took:.1f} s"
+            + (f" · {ranks}" if ranks else ""),
+        }
+
+    def _rewrite_status(self) -> bool:
+        """At the end of a later cell, in it: the status line again. True once the run has ended."""
+        ended = self._finished.is_set()
+        widget = self._status_html
+        widget.value = self._status_line()
+        widget.send_state("value")
+        bundle = self._status_bundle()
+        for shown in self._status_shown:
+            shown.update(bundle, raw=True)
+        return ended
 
     def _status_line(self) -> str:
         took = self._took()

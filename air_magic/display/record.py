@@ -10,6 +10,12 @@ outcome: each rank's state, time and exit reason, its last lines, the log
 folder and the run's link. A saved notebook thus keeps a readable account of
 the run wherever it is opened.
 
+A call that outlives its cell (a background run, a detached run followed here) ends after its
+cell did, when a frontend that keeps only what comes while a cell runs (nbclient, so ``jupyter
+nbconvert --execute`` and papermill) no longer listens to that cell: the record is rewritten at
+the end of every later cell instead (``widgets.rewrite_at_cell_ends``), and until the call has
+ended its ``note`` says when it was written.
+
 Past ``MANY_RANKS`` ranks the record summarises as the live view does: the counts
 by state, then rank 0, the rank that failed first, the other failed ranks and two
 stopped ones (at most :data:`LISTED_OF_MANY` in all) with their last lines; every
@@ -52,6 +58,7 @@ class Record:
     cpu_mode: bool = False
     counts: str = ""  # "990 succeeded, 1 failed, 9 killed": said when ``rows`` are not every rank
     nodes: int = 1
+    note: str = ""  # "still running at 14:03:05, ...": a record written before the call ended
 
 
 def shown_ranks(states: Sequence[RankState], root_cause: int | None) -> list[int]:
@@ -95,10 +102,11 @@ def as_html(record: Record) -> str:
         for r in record.rows
     )
     logs = f"<div>logs: <code>{e(record.log_dir)}</code></div>" if record.log_dir else ""
+    note = f"<div><i>{e(record.note)}</i></div>" if record.note else ""
     return (
         '<div class="air-magic-record">'
         f"<div><b>{e(record.name)}</b> · {record.world_size} rank(s) · {e(record.mode)} · "
-        f"<b>{e(record.outcome)}</b> · {record.elapsed:.1f} s{link}</div>{cpu}"
+        f"<b>{e(record.outcome)}</b> · {record.elapsed:.1f} s{link}</div>{note}{cpu}"
         f"{_many_html(record)}"
         "<table><tr><th align=left>rank</th><th align=left>state</th><th align=left>elapsed</th>"
         f"<th align=left>exit</th></tr>{rows}</table>{tails}{logs}</div>"
@@ -109,6 +117,8 @@ def as_text(record: Record) -> str:
     """The record as plain text (a terminal frontend, a text export)."""
     ranks = f"{record.world_size} rank(s)"
     lines = [f"{record.name}: {record.outcome} in {record.elapsed:.1f} s, {ranks}, {record.mode}"]
+    if record.note:
+        lines.append(record.note)
     if record.cpu_mode:
         lines.append("CPU mode: no NVIDIA GPU is visible, so every rank ran on the CPU with gloo.")
     if len(record.rows) < record.world_size:

@@ -17,6 +17,18 @@ calls keep their live tabs; an older one's view is replaced, through its display
 id, by its static record (each rank's state, last lines and log, the MLflow link)
 and its widgets are closed, so a session of hundreds of cells does not pile up
 widget models in the kernel, the browser and the saved notebook.
+
+A call that outlives its cell (a background run, a detached run followed here: :meth:`WidgetDisplay.show`)
+goes on after its cell ended. Its updates then carry that cell's parent header, and a frontend
+that keeps only what comes while a cell runs drops them: nbclient (so ``jupyter nbconvert
+--execute`` and papermill) saved its record as "starting" and its tabs as they were when the cell
+ended. So at the end of every later cell (IPython's ``post_run_cell``, in that cell) the record is
+sent again through its display id, and the widgets' state with it, until the call has ended:
+nbclient applies a display update to the earlier output that has its id, and keeps widget state
+from any cell. JupyterLab applies neither to a cell whose execution is over (its tabs are live
+through their comms anyway), so there it changes nothing. While the call goes on the record is
+rewritten when its states changed or every :data:`REWRITE_EVERY_S`, and it says when it was
+written: a notebook that ends before the run does is saved "still running at 14:03:05".
 """
 
 from __future__ import annotations
@@ -26,6 +38,7 @@ import html
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from air_magic.display import record
@@ -47,6 +60,8 @@ from air_magic.protocol.events import (
 
 FLUSH_S = 0.25  # at most 4 browser updates a second per rank: live to the eye, cheap for the kernel
 KEEP_LIVE = 20  # ended calls whose tabs stay live; older ones become their static record
+REWRITE_EVERY_S = 5.0  # a call going on after its cell: its record rewritten at most this often
+# at a later cell's end (sooner when a rank's state changed); its end always
 _ended: collections.deque[WidgetDisplay] = collections.deque()
 _ended_lock = threading.Lock()
 
@@ -74,6 +89,7 @@ def widgets_available() -> bool:
 
 class WidgetDisplay:
     def __init__(self, record: RecordLink | None = None) -> None:
+        self._lock = threading.Lock()  # events (the call's thread) against a later cell's rewrite
         self._record = record
         self._board = RankBoard.of(0)
         self._view: TabView | SummaryView | None = None
@@ -86,6 +102,11 @@ class WidgetDisplay:
         self._session: SessionState | None = None  # a persistent session's cell: what it holds
         self._root_cause: int | None = None  # the rank that failed first, once the call ended
         self._handle: Any = None  # the display's handle (its id): the static record is updated through it
+        self._outlives_cell = False  # shown before its call started: the call goes on after its cell
+        self._ended = False  # RunFinished came
+        self._retired = False
+        self._rewritten: tuple[Any, ...] = ()  # what the last rewrite at a cell's end said
+        self._rewritten_at = 0.0
 
     def set_record(self, record: RecordLink | None) -> None:
         """The call's MLflow run, known once it exists (a background call shows its tabs before)."""
@@ -97,11 +118,44 @@ class WidgetDisplay:
         after it ended; later changes are widget state, which reaches the tabs wherever they are)."""
         self._name = name
         self._outcome = "starting"
+        self._outlives_cell = True
         self._make(world_size)
+        self._rewritten, self._rewritten_at = self._said(), time.monotonic()
+        rewrite_at_cell_ends(self._rewrite)
+
+    def _said(self) -> tuple[Any, ...]:
+        """What the record says that a rewrite must not wait for: the call's and the ranks' states."""
+        return (self._outcome, tuple(self._board.states), self._run is not None, self._record)
+
+    def _rewrite(self) -> bool:
+        """At the end of a later cell, in it: the record and the widgets' state sent again (see the
+        module's docstring). True once the call's end is sent: nothing more to rewrite."""
+        with self._lock:
+            ended, said, now = self._ended, self._said(), time.monotonic()
+            if not ended and said == self._rewritten and now - self._rewritten_at < REWRITE_EVERY_S:
+                return False
+            self._rewritten, self._rewritten_at = said, now
+            if self._view is None or self._handle is None:
+                return ended
+            bundle = self._bundle()
+            if self._retired:
+                bundle.pop("application/vnd.jupyter.widget-view+json", None)
+            else:
+                self._flush(force=True)
+                for widget in self._view.widgets():
+                    # Not an Output's msg_id: nbclient's stand-in for an Output widget fails on an
+                    # empty one it was not told before (nbclient 0.11, output_widget.set_state).
+                    widget.send_state([key for key in widget.keys if key != "msg_id"])
+        self._handle.update(bundle, raw=True)
+        return ended
 
     # -- events -------------------------------------------------------------------------
 
     def handle(self, event: Event) -> None:
+        with self._lock:
+            self._handle_event(event)
+
+    def _handle_event(self, event: Event) -> None:
         if isinstance(event, SessionState):  # shown with the next update (or in the header made next)
             self._session = event
             return
@@ -138,6 +192,7 @@ class WidgetDisplay:
         self._outcome = event.outcome
         self._elapsed = event.elapsed
         self._root_cause = event.failed_rank
+        self._ended = True
         view = self._view
         if isinstance(view, SummaryView):
             view.root_cause = event.failed_rank
@@ -167,6 +222,7 @@ class WidgetDisplay:
 
     def retire(self) -> None:
         """The view becomes its static record; the widgets are closed (shared layouts stay)."""
+        self._retired = True
         if self._handle is not None:
             static = self._bundle()
             static.pop("application/vnd.jupyter.widget-view+json", None)
@@ -203,10 +259,21 @@ class WidgetDisplay:
             cpu_mode=self._run is not None and self._run.cpu_mode,
             counts=counts_words(board.states),
             nodes=len(set(board.nodes)),
+            note=self._note(),
         )
         bundle["text/html"] = record.as_html(now)
         bundle["text/plain"] = record.as_text(now)
         return bundle
+
+    def _note(self) -> str:
+        """For a record written before its call ended, in a cell other than the call's own."""
+        if not self._outlives_cell or self._ended:
+            return ""
+        return (
+            f"still {self._outcome} at {time.strftime('%H:%M:%S')}, when this record was written. A cell "
+            "run after the run's end rewrites it; a notebook whose last cell does not wait for it (its "
+            "handle's result()) is saved before its end."
+        )
 
     def _last_lines(self, rank: int) -> list[str]:
         return [line for _, line in list(self._board.screens[rank].lines)[-record.LAST_LINES :]]
@@ -258,6 +325,42 @@ class WidgetDisplay:
             f"{html.escape(mode)} · {html.escape(self._outcome)} · {self._elapsed:.1f} s{link}</div>"
             f"{session}{cpu}</div>"
         )
+
+
+_rewrites: list[Callable[[], bool]] = []  # what a cell's end rewrites (rewrite_at_cell_ends)
+_rewrites_lock = threading.Lock()
+_hooked: Any = None  # the shell whose post_run_cell runs them
+
+
+def rewrite_at_cell_ends(rewrite: Callable[[], bool]) -> None:
+    """Call ``rewrite`` at the end of every cell from now on, in that cell (IPython's
+    ``post_run_cell``), until it returns True: a display that outlives its cell sends its state
+    again there (see the module's docstring). Only in a kernel: elsewhere no frontend keeps it."""
+    global _hooked
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    if shell is None or getattr(shell, "kernel", None) is None:
+        return
+    with _rewrites_lock:
+        _rewrites.append(rewrite)
+        if _hooked is not shell:
+            shell.events.register("post_run_cell", _rewrite_at_cell_end)
+            _hooked = shell
+
+
+def _rewrite_at_cell_end(result: Any = None) -> None:
+    with _rewrites_lock:
+        pending = list(_rewrites)
+    done = []
+    for rewrite in pending:
+        try:
+            if rewrite():
+                done.append(rewrite)
+        except Exception:  # noqa: BLE001 - a frontend gone away, a widget closed: nothing to rewrite
+            done.append(rewrite)
+    with _rewrites_lock:
+        for rewrite in done:
+            _rewrites.remove(rewrite)
 
 
 def _retire_the_oldest(display: WidgetDisplay) -> None:

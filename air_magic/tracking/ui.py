@@ -34,6 +34,8 @@ import contextlib
 import hashlib
 import importlib.util
 import os
+import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -100,7 +102,24 @@ def open_command(uri: str, run_id: str) -> str:
     """The command that opens a run of a local store in a browser (named where there is no link)."""
     uri = absolute(uri)
     store = "" if uri == paths.embedded_mlflow_uri() else f" --store '{_without_password(uri)}'"
-    return f"air-magic ui{store} --run {run_id}"
+    return f"{cli_command()} ui{store} --run {run_id}"
+
+
+def cli_command() -> str:
+    """This interpreter's ``air-magic`` as a shell that started this process reaches it.
+
+    Its name where ``PATH`` finds this one; its full path where it is not on ``PATH`` (a fresh
+    shell beside a virtual environment that was never activated: ``.venv/bin/air-magic``) or
+    another install's comes first; ``PYTHON -m air_magic`` where this interpreter has no script.
+    """
+    mine = os.path.join(os.path.dirname(sys.executable), "air-magic")
+    if not os.access(mine, os.X_OK):
+        return f"{shlex.quote(sys.executable)} -m air_magic"
+    found = shutil.which("air-magic")
+    with contextlib.suppress(OSError):
+        if found is not None and os.path.samefile(found, mine):
+            return "air-magic"
+    return shlex.quote(mine)
 
 
 def server_port(uri: str, *, start: bool | Callable[[], bool], wait_s: float | None = None) -> int | None:

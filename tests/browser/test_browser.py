@@ -243,7 +243,7 @@ def _last_tick(text: str) -> int:
 def test_reloading_the_page_mid_run_shows_the_live_tabs_again(tmp_path):
     """A background run: the kernel is free, so the reloaded page gets the widgets' state from it
     at once. (A foreground cell keeps the kernel busy, and JupyterLab asks for that state on the
-    kernel's shell channel, which answers only between cells: README, "Long runs".)"""
+    kernel's shell channel, which answers only between cells: docs/long-runs.md, "Reloading the page".)"""
     gate = tmp_path / "gate"
     cells = ["%load_ext air_magic", BACKGROUND_CELL.replace("GATE", repr(str(gate)))]
     with _jupyterlab(tmp_path, cells) as url, playwright_api.sync_playwright() as p:

@@ -174,3 +174,66 @@ def test_a_detached_run_survives_its_kernel_and_a_new_kernel_attaches(tmp_path):
     for rank in (0, 1):  # the tabs of the new kernel: what was printed before it attached, then after
         assert f"rank {rank} before the gate\nrank {rank} after the gate\n" in texts, texts
     assert mlflow_status(RunInfo("", "", 0, "", mlflow_run_id=lines[3])) == "FINISHED"
+
+
+def _bundles(outputs: list) -> list[dict]:
+    return [o["data"] for o in outputs if o["output_type"] == "display_data"]
+
+
+def test_a_background_cells_saved_record_tells_the_runs_end(tmp_path):
+    """nbclient (nbconvert --execute, papermill) keeps only what comes while a cell runs: the run's
+    end, sent from its thread after its cell ended, is written into the record by a later cell."""
+    cells = [
+        "%load_ext air_magic",
+        "%%distributed -n 2 --background\nimport os\nfor step in range(5):\n"
+        "    print(f'rank {os.environ[\"RANK\"]} step {step}')\n",
+        "_.result(timeout=120)\nimport air_magic\nprint(air_magic.last_run().mlflow_run_id)",
+    ]
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    notebook_client(nb, timeout=180, path=tmp_path).execute()
+    run_id = "".join(o.get("text", "") for o in nb.cells[2].outputs).strip().splitlines()[-1]
+    tabs, status = _bundles(nb.cells[1].outputs)
+    assert "application/vnd.jupyter.widget-view+json" in tabs  # the live tabs, for frontends that can
+    text, page = tabs["text/plain"], tabs["text/html"]
+    assert text.startswith("cell [2]: succeeded in "), text
+    assert "not started yet" not in text and "starting" not in text and "still" not in text
+    for rank in (0, 1):
+        assert f"rank {rank} succeeded" in text and f"rank {rank} step 4" in text
+        assert f"rank {rank} step 4" in page
+    assert "<b>succeeded</b>" in page and "logs:" in page
+    assert run_id and run_id in text  # the MLflow run
+    assert "in the background: succeeded" in status["text/plain"], status
+    # The saved widget state (what JupyterLab shows of a saved notebook, or an HTML export with it).
+    widgets = json.dumps(nb.metadata.widgets, ensure_ascii=False)
+    assert "rank 1 step 4" in widgets and "in the background: <b>succeeded</b>" in widgets
+    assert "· succeeded ·" in widgets  # the tabs' top line
+
+
+def test_a_background_run_still_going_when_the_notebook_ends_says_so(tmp_path):
+    cells = [
+        "%load_ext air_magic\nimport air_magic, time",
+        "@air_magic.distributed(num_accelerators=2, tracking=False)\n"
+        "def forever():\n"
+        "    import os, time\n"
+        "    print(f'rank {os.environ[\"RANK\"]} up', flush=True)\n"
+        "    while True:\n"
+        "        time.sleep(0.1)\n"
+        "handle = forever.distributed_async()\n"
+        "handle",
+        "deadline = time.monotonic() + 120\n"
+        "while (handle.status, len(handle.logs(1))) == ('starting', 0) or not handle.logs(1):\n"
+        "    assert time.monotonic() < deadline, handle\n"
+        "    time.sleep(0.1)\n"
+        "time.sleep(0.5)  # the tabs' next refresh has the lines\n"
+        "print(handle.status)",
+    ]
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    notebook_client(nb, timeout=180, path=tmp_path).execute()  # its end shuts the kernel down: cancelled
+    assert "running" in "".join(o.get("text", "") for o in nb.cells[2].outputs)
+    tabs, status = _bundles(nb.cells[1].outputs)
+    text = tabs["text/plain"]
+    assert text.startswith("forever: running in "), text
+    assert "not started yet" not in text
+    assert "still running at " in text and "still running at " in tabs["text/html"]
+    assert "rank 1 up" in text
+    assert "in the background: running" in status["text/plain"], status

@@ -14,6 +14,7 @@ import importlib.util
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -139,15 +140,25 @@ def test_a_notebook_call_starts_one_shared_ui_whose_link_opens_the_run_and_outli
 def test_opted_out_or_outside_a_kernel_nothing_starts_and_the_text_names_the_command(store, tmp_path):
     from helpers.kernel import Kernel
 
-    with Kernel(cwd=tmp_path, env=_kernel_env(**{mlflow_ui.AUTO_ENV: "0"})) as kernel:
+    # A fresh shell beside the virtual environment, never activated: its air-magic is not on PATH,
+    # so the text names the full path (issue 48, item 19); where PATH finds it, its name.
+    venv_bin = os.path.dirname(sys.executable)
+    script_path = os.path.join(venv_bin, "air-magic")
+    assert os.access(script_path, os.X_OK), "the install's air-magic script beside this interpreter"
+    folders = os.environ.get("PATH", "").split(os.pathsep)
+    on_path = [p for p in folders if p and os.path.abspath(p) != venv_bin]
+    fresh_shell = os.pathsep.join(on_path) or "/usr/bin:/bin"
+    activated = os.pathsep.join([venv_bin, fresh_shell])
+    with Kernel(cwd=tmp_path, env=_kernel_env(**{mlflow_ui.AUTO_ENV: "0", "PATH": fresh_shell})) as kernel:
         printed = kernel.printed(CALL.format(name="opted-out"))
     assert _link(printed) == "None"
     run_id = re.search(r"MLflow run ([0-9a-f]{32})", printed)[1]
-    assert f"(to open it: air-magic ui --run {run_id})" in printed
-    # A script: no kernel, so no server either; the same words.
+    named = re.search(r"\(to open it: (.+)\)", printed)[1]
+    assert named == f"{shlex.quote(script_path)} ui --run {run_id}"
+    # A script: no kernel, so no server either; the same words, the bare name where PATH finds it.
     script = subprocess.run(
         [sys.executable, "-c", CALL.format(name="from-a-script")],
-        env=_kernel_env(),
+        env=_kernel_env(PATH=activated),
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -156,10 +167,10 @@ def test_opted_out_or_outside_a_kernel_nothing_starts_and_the_text_names_the_com
     assert script.returncode == 0, script.stderr
     assert _link(script.stdout) == "None" and "(to open it: air-magic ui --run " in script.stderr
     assert not os.path.exists(ui_server.state_path(paths.embedded_mlflow_dir()))
-    # The command it names opens that run.
+    # The command it names opens that run, typed in that fresh shell.
     shown = subprocess.run(
-        [sys.executable, "-m", "air_magic", "ui", "--run", run_id],
-        env=_kernel_env(),
+        shlex.split(named),
+        env=_kernel_env(PATH=fresh_shell),
         capture_output=True,
         text=True,
         timeout=300,

@@ -253,8 +253,9 @@ def test_a_store_that_refuses_rows_holds_few_in_memory_and_gets_them_all_later(s
 
     class Refusing:
         batch = 500
-        refuse = True
-        written: list = []
+
+        def __init__(self):
+            self.refuse, self.written = True, []
 
         def write(self, rows):
             if self.refuse:
