@@ -18,7 +18,9 @@ session's end.
 
 SIGINT interrupts the cell running (``KeyboardInterrupt`` in it, reported like
 any exception); between cells it is ignored, so an interrupt that comes just
-after a cell finished cannot end the rank.
+after a cell finished cannot end the rank. The caller writes each interrupt on
+the command pipe before its SIGINT: a rank that had not started the cell yet (a
+loaded machine) finds it there as it starts the cell, and stops at once.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import importlib.util
 import json
 import linecache
 import os
+import select
 import signal
 import sys
 import warnings
@@ -49,30 +52,55 @@ def serve() -> None:
     rank = int(os.environ["RANK"])
     call_dir = os.environ[env_names.RUN_DIR]
     # The caller holds both ends of both pipes open: neither open blocks.
-    commands = open(wire.session_fifo(call_dir, "cmd", rank), "rb", buffering=0)  # noqa: SIM115
+    commands = _Commands(os.open(wire.session_fifo(call_dir, "cmd", rank), os.O_RDONLY))
     replies = os.open(wire.session_fifo(call_dir, "reply", rank), os.O_WRONLY)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     global _namespace
     _namespace = main_module.fresh_main()
     _set_up_torch()
     _answer(replies, {"ready": True, "memory": memory_in_use()})
-    pending = b""
     try:
         while True:
-            chunk = commands.read(4096)
-            if not chunk:  # cannot happen while the caller lives (it holds a write end)
+            message = commands.next()
+            if message is None or message.get("stop"):  # no end of file while the caller lives
                 return
-            pending += chunk
-            while b"\n" in pending:
-                line, pending = pending.split(b"\n", 1)
-                message = json.loads(line)
-                if message.get("stop"):
-                    return
-                cell = int(message["cell"])
-                ok = _run_cell(call_dir, rank, cell)
-                _answer(replies, {"cell": cell, "ok": ok, "memory": memory_in_use()})
+            if "interrupt" in message:  # of a cell this rank had finished when it came
+                continue
+            cell = int(message["cell"])
+            ok = _run_cell(call_dir, rank, cell, commands)
+            _answer(replies, {"cell": cell, "ok": ok, "memory": memory_in_use()})
     finally:
         _end_torch()
+
+
+class _Commands:
+    """The rank's command pipe: the caller's messages, one JSON line each, in order."""
+
+    def __init__(self, fd: int):
+        self._fd = fd
+        self._partial = b""
+        self._messages: list[dict[str, Any]] = []
+
+    def next(self) -> dict[str, Any] | None:
+        """The next message, waiting for it; None at the end of the pipe."""
+        while not self._messages:
+            if not self._take(os.read(self._fd, 4096)):
+                return None
+        return self._messages.pop(0)
+
+    def interrupted(self, cell: int) -> bool:
+        """Whether the caller interrupted ``cell`` already (not waiting): it wrote so before its
+        SIGINT, which this rank ignored if it came before the cell began here."""
+        while select.select([self._fd], [], [], 0)[0] and self._take(os.read(self._fd, 4096)):
+            pass
+        found = any(m.get("interrupt") == cell for m in self._messages)
+        self._messages = [m for m in self._messages if "interrupt" not in m]  # older ones: cells gone
+        return found
+
+    def _take(self, chunk: bytes) -> bool:
+        *lines, self._partial = (self._partial + chunk).split(b"\n")
+        self._messages.extend(json.loads(line) for line in lines)
+        return bool(chunk)
 
 
 class _CellFiles:
@@ -88,15 +116,22 @@ class _CellFiles:
         wire.write_atomically(wire.cell_error_path(self.call_dir, self.cell, self.rank), data)
 
 
-def _run_cell(call_dir: str, rank: int, cell: int) -> bool:
+def _run_cell(call_dir: str, rank: int, cell: int, commands: _Commands) -> bool:
     files = _CellFiles(call_dir, rank, cell)
     frameworks.new_cell()
     stage = "load"
     # SIGINT raises KeyboardInterrupt from here to the cell's end (Python's own handler: no frame of
     # ours in the traceback), loading included; outside a cell it is ignored, so one that comes as a
-    # cell ends cannot end the rank.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    # cell ends cannot end the rank. One that came before this cell began here was ignored too: its
+    # line on the command pipe says so. While the pipe is read, a SIGINT is only noted (a
+    # KeyboardInterrupt then could lose a message read but not yet kept); it raises just after.
+    came: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: came.append(signum))
     try:
+        missed = commands.interrupted(cell)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if missed or came:
+            raise KeyboardInterrupt
         data = wire.read_bytes(wire.session_cell_path(call_dir, cell))
         if data is None:
             raise FileNotFoundError(f"cell {cell}'s payload is missing from {call_dir}")

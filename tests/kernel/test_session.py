@@ -12,8 +12,10 @@ kernel restart) are in test_session_kernel.py.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -421,3 +423,42 @@ def test_a_restarted_sessions_history_and_mlflow_run_say_the_same(ip):
     assert run.info.status == "FAILED"
     assert summary["error"].startswith("2 of 2 cell(s) failed; the first, cell 1: ZeroDivisionError")
     assert run.data.tags["air_magic.error"] == summary["error"][: len(run.data.tags["air_magic.error"])]
+
+
+@warm_only
+@fault(
+    "a session rank is interrupted before it has started the cell (a loaded machine)",
+    "the rank stops as it starts the cell; the session goes on",
+)
+def test_an_interrupt_that_comes_before_a_rank_starts_the_cell_is_not_lost(ip, session):
+    """Between cells a rank ignores SIGINT (a late one must not end it), so a rank that a loaded
+    machine held back until after the interrupt missed it, slept on and ended the session (issue 48,
+    22). SIGSTOP holds rank 1 back until the caller has interrupted it after rank 0's error."""
+    held = session._pids[1]
+    os.kill(held, signal.SIGSTOP)
+
+    def release_once_interrupted() -> None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            current = session._current
+            if current is not None and current.interrupted:  # set once SIGINT was sent
+                break
+            time.sleep(0.01)
+        os.kill(held, signal.SIGCONT)
+
+    releaser = threading.Thread(target=release_once_interrupted, daemon=True)
+    releaser.start()
+    try:
+        with pytest.raises(ValueError, match="rank 0 gave up"):
+            cell(
+                ip,
+                "import os, time\nif os.environ['RANK'] == '0':\n    raise ValueError('rank 0 gave up')\n"
+                "time.sleep(60)\n",
+            )
+    finally:
+        releaser.join()
+        with contextlib.suppress(ProcessLookupError):  # gone where the session ended
+            os.kill(held, signal.SIGCONT)
+    assert persistent.active() is session, session.ended_why
+    values, _ = cell(ip, "'alive'")
+    assert values == ["alive", "alive"]

@@ -382,10 +382,15 @@ class RankGroup:
             self.emit(Answer(rank, answer, outcome))
 
     def interrupt(self, ranks: list[int]) -> None:
-        """SIGINT to these ranks of a session (a cell's interrupt), skipping any that has ended."""
-        for r in list(self.ranks):
-            if r.rank in ranks and r.rank not in self._ended and r.dead_since is None:
-                send_signal(r, signal.SIGINT)
+        """SIGINT to these ranks of a session (a cell's interrupt), skipping any that has ended; the
+        interrupt first on their command pipes, for a rank that has not started the cell yet."""
+        running = [
+            r for r in self.ranks if r.rank in ranks and r.rank not in self._ended and r.dead_since is None
+        ]
+        if self.session_pipes is not None:
+            self.session_pipes.mark_interrupt(r.rank for r in running)
+        for r in running:
+            send_signal(r, signal.SIGINT)
 
     def _output(self, rank: int, stream: str, data: bytes) -> None:
         self.emit(Output(rank, stream, data))

@@ -9,6 +9,9 @@ and a rank never sees an end of file while its caller lives (the lifeline ends
 it otherwise). A cell's payload is written once as ``cell-N.pkl``; each rank
 writes ``cell-N-result-R.pkl`` or ``cell-N-error-R.pkl`` before it answers,
 and :meth:`read` hands each answer back with those bytes, the files removed.
+An interrupt of the cell is written on the command pipe before its SIGINT
+(:meth:`mark_interrupt`): a rank that had not started the cell, and so ignored
+the signal, finds it there as it starts the cell.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ class SessionPipes:
         self._reply: dict[int, int] = {}  # our end of a reply pipe -> rank
         self._pending: dict[int, bytes] = {}  # a reply pipe's unfinished line
         self._answers: dict[int, int] = {}  # cell -> how many ranks here answered it
+        self._cell: int | None = None  # the last cell sent
         self._lock = threading.Lock()  # writes against close (a closed number may be reused at once)
 
     def open(self) -> list[int]:
@@ -48,16 +52,26 @@ class SessionPipes:
     def send_cell(self, number: int, payload: bytes) -> None:
         """Cell ``number`` to every rank here: its payload once, then its number on each pipe."""
         wire.write_atomically(wire.session_cell_path(self.call_dir, number), payload)
+        self._cell = number
         self._write({"cell": number})
 
     def send_stop(self) -> None:
         """Every rank here leaves its loop and ends like a call's rank."""
         self._write({"stop": True})
 
-    def _write(self, message: dict[str, Any]) -> None:
+    def mark_interrupt(self, ranks: Iterable[int]) -> None:
+        """Before SIGINT to these ranks: the cell it stops, on their command pipes. A rank still
+        between cells ignores the signal (one that comes as a cell ends must not end the rank): if
+        it has not started this cell yet, it reads this as it starts it and stops there; a rank
+        that has finished the cell skips it."""
+        if self._cell is not None:
+            self._write({"interrupt": self._cell}, ranks)
+
+    def _write(self, message: dict[str, Any], ranks: Iterable[int] | None = None) -> None:
         line = (json.dumps(message) + "\n").encode()
         with self._lock:
-            for fd in self._cmd.values():
+            to = self._cmd if ranks is None else {r: self._cmd[r] for r in ranks if r in self._cmd}
+            for fd in to.values():
                 try:
                     os.write(fd, line)  # a few bytes into an empty pipe: never blocks, never partial
                 except OSError:
