@@ -179,8 +179,9 @@ class CallLoop(ABC):
                 self.router.close()
                 discard_rank_files(self.log_dir)  # the ranks are gone: their stack files with them
                 said = None if error is None else f"{type(error).__name__}: {error}"
+                failed_rank = self.ledger.failed_rank
                 if self.request.channel is not None:  # a session: its cells' outcomes count too
-                    outcome, said = self.request.channel.own_outcome(outcome, said)
+                    outcome, said, failed_rank = self.request.channel.own_outcome(outcome, said, failed_rank)
                 self.bus.emit(
                     RunFinished(
                         run_id=self.run_id,
@@ -188,7 +189,7 @@ class CallLoop(ABC):
                         elapsed=time.monotonic() - self.started,
                         log_dir=self.log_dir,
                         error=said,
-                        failed_rank=self.ledger.failed_rank,
+                        failed_rank=failed_rank,
                     )
                 )
 

@@ -75,7 +75,7 @@ class CellLoop:
     _run_started: RunStarted | None
     _pids: dict[int, int]
     _tails: list[RankTail]
-    _failed_cells: list[tuple[int, str]]
+    _failed_cells: list[tuple[int, str, int | None]]
     _sender: CellSender | None
     _caller: CallerChanges
 
@@ -311,7 +311,8 @@ class CellLoop:
             # (as if it had ended "between cells"), it runs fresh ranks as any cell without one.
             self._deactivate()
         if cell.number and outcome is not Outcome.SUCCEEDED:
-            self._failed_cells.append((cell.number, f"{type(error).__name__}: {error}" if error else outcome))
+            why = f"{type(error).__name__}: {error}" if error else outcome
+            self._failed_cells.append((cell.number, why, root_cause_rank(error)))
 
     def _drain_queue(self, cell: SessionCell) -> None:
         if self._thread is not None:

@@ -43,6 +43,7 @@ from air_magic.calls.cell_loop import CellLoop
 from air_magic.calls.held_names import CallerChanges, HeldNames
 from air_magic.calls.session_cell import SessionCell
 from air_magic.errors import ConfigurationError, SessionEndedError
+from air_magic.launch.failures import root_cause_rank
 from air_magic.launch.request import CellSender, RunResult, new_run_id
 from air_magic.launch.settings import LaunchSettings, make_settings
 from air_magic.protocol.events import (
@@ -140,7 +141,8 @@ class Session(CellLoop):
         self._memory: dict[int, dict[str, int]] = {}
         self._tails: list[RankTail] = []  # each rank's last lines of the cell running (new per cell)
         self._ended_ranks: dict[int, str] = {}  # rank -> how it ended (status shows no memory for it)
-        self._failed_cells: list[tuple[int, str]] = []  # (cell, why), for the session's own outcome
+        # (cell, why, its root cause's rank), for the session's own outcome
+        self._failed_cells: list[tuple[int, str, int | None]] = []
         self._sender: CellSender | None = None  # the backend's line to the ranks (connect())
         self.names = HeldNames()  # what the ranks hold of the notebook's (notebook/magics.py asks)
         self._caller = CallerChanges(self.id, settings.env)  # what changed in the notebook since the start
@@ -377,14 +379,26 @@ class Session(CellLoop):
         """The backend's line to the ranks, before any rank starts (CellChannel)."""
         self._sender = sender
 
-    def own_outcome(self, outcome: Outcome, error: str | None) -> tuple[Outcome, str | None]:
-        """Its ranks ended well, but not every cell did: neither `air-magic runs` nor its MLflow run
-        may say succeeded (the one rule both read: the session call's RunFinished says it)."""
-        if outcome != Outcome.SUCCEEDED or not self._failed_cells:
-            return outcome, error
-        first, why = self._failed_cells[0]
+    def own_outcome(
+        self, outcome: Outcome, error: str | None, failed_rank: int | None
+    ) -> tuple[Outcome, str | None, int | None]:
+        """The session's outcome, said once in its call's RunFinished, which `air-magic runs` and its
+        MLflow run both read. A rank's own death is the session's end (FAILED, the ledger's error).
+        Otherwise a cell that failed makes the session failed: one whose ranks then ended well (its
+        cells counted), or one that ended under it (its ranks stopped, not recovered from an error
+        in a collective: that cell's root cause, not the stop)."""
+        if outcome == Outcome.FAILED:
+            return outcome, error, failed_rank
+        current = self._current
+        if current is not None and current.number and current.raised_on_its_own():
+            cause = self._cell_error(current)
+            said = f"{current.name} failed: {type(cause).__name__}: {cause}"
+            return Outcome.FAILED, said, root_cause_rank(cause)
+        if not self._failed_cells:
+            return outcome, error, failed_rank
+        first, why, rank = self._failed_cells[0]
         count = f"{len(self._failed_cells)} of {self.cells} cell(s) failed; the first, cell {first}: {why}"
-        return Outcome.FAILED, count
+        return Outcome.FAILED, count, rank
 
     def answered(self, rank: int, answer: dict[str, Any], outcome: bytes | None) -> None:
         """A rank's answer, after everything it printed before it (the backend's thread)."""

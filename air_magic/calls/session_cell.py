@@ -81,6 +81,11 @@ class SessionCell:
             raise LaunchError(f"rank {missing[0]} answered {self.name} but its result is missing")
         return load_results(None, [(rank, self.results[rank]) for rank in range(self.world_size)])
 
+    def raised_on_its_own(self) -> bool:
+        """A rank raised in this cell before any interrupt reached it (not a KeyboardInterrupt of ours)."""
+        records = self.records.items()
+        return any(record is not None and rank not in self.interrupted for rank, record in records)
+
     def has_errors(self) -> bool:
         return any(record is not None for record in self.records.values())
 

@@ -64,9 +64,11 @@ class CellChannel(Protocol):
 
     def answered(self, rank: int, answer: dict[str, Any], outcome: bytes | None) -> None: ...
 
-    def own_outcome(self, outcome: Outcome, error: str | None) -> tuple[Outcome, str | None]:
-        """The session's outcome, from its ranks' (``outcome``, ``error``) and its cells': what its
-        RunFinished says, so its history line and its tracked run say the same."""
+    def own_outcome(
+        self, outcome: Outcome, error: str | None, failed_rank: int | None
+    ) -> tuple[Outcome, str | None, int | None]:
+        """The session's outcome, from its ranks' (``outcome``, ``error``, the root cause's rank)
+        and its cells': what its RunFinished says, so its history line and its tracked run agree."""
         ...
 
 

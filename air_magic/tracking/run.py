@@ -158,7 +158,7 @@ class TrackedRun:
             try:
                 job()
             except Exception as exc:  # noqa: BLE001 - a tag that failed must not keep the run from ending
-                _warn(f"MLflow run {self.run_id}: {exc}")
+                _warn(f"MLflow run {self.run_id}: {short_error(exc)}")
 
     def finish(self, outcome: str, wait_s: float | None = None) -> None:
         """End the run with the status that matches ``outcome`` (the first outcome given wins).
@@ -180,7 +180,7 @@ class TrackedRun:
             try:
                 self._monitor = system_metrics.start(self.run_id, self.tracking_uri, self.resumed)
             except Exception as exc:  # noqa: BLE001 - the call's own record matters more
-                _warn(f"system metrics are not recorded for MLflow run {self.run_id}: {exc}")
+                _warn(f"system metrics are not recorded for MLflow run {self.run_id}: {short_error(exc)}")
         if self.log_dir:
             self._uploader = self._new_uploader(self.log_dir)
             self._next_upload = time.monotonic() + self._upload_every_s()
@@ -200,7 +200,7 @@ class TrackedRun:
         try:
             self._uploader.upload()
         except Exception as exc:  # noqa: BLE001 - tried again at the next pass, and at the end
-            _warn(f"could not copy the logs into MLflow run {self.run_id} yet: {exc}")
+            _warn(f"could not copy the logs into MLflow run {self.run_id} yet: {short_error(exc)}")
 
     def _close_metrics(self) -> int:
         """The ranks' last rows into the store; the rows it did not take."""
@@ -251,7 +251,11 @@ class TrackedRun:
         except Exception as exc:  # noqa: BLE001 - the run must still be ended below
             refused.append(short_error(exc))
         try:
-            self.client.set_terminated(self.run_id, store.terminal_status(outcome))
+            # Rows still unstored: the run stays RUNNING, so that whichever process stores them
+            # ends it (end_unended here; store.end_orphaned_runs in a later process, which looks
+            # only at runs left RUNNING). A run ended now would keep its rows out for good.
+            if not left:
+                self.client.set_terminated(self.run_id, store.terminal_status(outcome))
         except Exception as exc:  # noqa: BLE001 - never hide the call's own outcome
             refused.append(short_error(exc))
         if not refused:
@@ -296,7 +300,9 @@ class TrackedRun:
             for child in children:
                 self.client.set_terminated(child.info.run_id, store.terminal_status(outcome))
         except Exception as exc:  # noqa: BLE001 - the call's own run must still be ended
-            _warn(f"could not end the runs the ranks started under MLflow run {self.run_id}: {exc}")
+            _warn(
+                f"could not end the runs the ranks started under MLflow run {self.run_id}: {short_error(exc)}"
+            )
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from air_magic import paths, private_files
-from air_magic.tracking import metric_writer
+from air_magic.tracking import metric_rows, metric_writer
 from air_magic.tracking.mlflow_import import import_mlflow
 
 _reaped: set[str] = set()  # tracking URIs already checked for runs whose caller died
@@ -277,7 +277,7 @@ def end_orphaned_runs(client: Any, uri: str) -> None:
                 )
                 client.set_terminated(run.info.run_id, "KILLED")
     except Exception as exc:  # noqa: BLE001 - housekeeping must never stop a call
-        _warn(f"could not check for runs left RUNNING by ended processes: {exc}")
+        _warn(f"could not check for runs left RUNNING by ended processes: {metric_rows.short_error(exc)}")
 
 
 _STATUS = {"succeeded": "FINISHED", "interrupted": "KILLED", "untracked": "KILLED"}

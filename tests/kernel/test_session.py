@@ -139,6 +139,12 @@ def test_an_error_while_peers_wait_in_a_collective(ip, session, monkeypatch):
     assert persistent.active() is None
     assert session.state == "ended"
     assert _gone(list(session._pids.values()))
+    # Its record says why: the cell's root cause, not the stop that followed it.
+    import json
+    from pathlib import Path
+
+    summary = json.loads(Path(session.log_dir, "run.json").read_text())
+    assert summary["outcome"] == "failed" and "ValueError: rank 1 gave up" in summary["error"], summary
     with pytest.raises(persistent.SessionEndedError, match="ended"):
         session.run_cell("1")
 

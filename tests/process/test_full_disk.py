@@ -285,3 +285,57 @@ def test_a_run_the_full_store_refused_is_ended_by_the_next_process(tmp_path):
         )  # fmt: skip
         assert "NEXT [1]" in done.stdout, done.stderr[-3000:]
         _stored_whole(store_disk, run_id)
+
+
+# The store's disk left with a little room: the run is made and its end would fit, its rows not.
+NEARLY_FULL = r"""
+import os, sys
+import air_magic
+
+@air_magic.distributed(num_accelerators=2, display="none", experiment="nearly-full")
+def train(rows):
+    import os, time, mlflow
+    rank = int(os.environ["RANK"])
+    for step in range(rows):
+        mlflow.log_metric(f"loss_{rank}", 1.0 / (step + 1), step=step)
+        time.sleep(0.001)
+    return rank
+
+print("WARM", train.distributed(1), flush=True)  # the store's tables made
+disk = sys.argv[1]
+free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
+with open(os.path.join(disk, "ballast"), "wb") as f:
+    f.write(b"x" * max(0, free - 150_000))
+print("FIRST", train.distributed(1500), air_magic.last_run().mlflow_run_id, flush=True)
+"""
+
+
+@fault(
+    "the embedded store's disk has room for a run's end but not its rows, and the process exits",
+    "the run is left RUNNING with its rows kept; the next process stores them and ends it",
+)
+def test_rows_a_nearly_full_store_refused_reach_their_run_from_the_next_process(tmp_path):
+    with small_tmpfs(tmp_path / "store", "12m", mode="0700") as store_disk:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+        env.update(AIR_MAGIC_MLFLOW_DIR=str(store_disk / "mlflow"), MLFLOW_DISABLE_TELEMETRY="true")
+        done = subprocess.run(
+            [sys.executable, "-c", NEARLY_FULL, str(store_disk)],
+            capture_output=True, text=True, timeout=300, env=env,
+        )  # fmt: skip
+        out = done.stdout + done.stderr
+        first = [line for line in done.stdout.splitlines() if line.startswith("FIRST [0, 1] ")]
+        assert first, out[-4000:]
+        run_id = first[0].split()[-1]
+        assert f"MLflow run {run_id} could not be stored whole" in out, out[-4000:]
+        os.remove(store_disk / "ballast")
+        done = subprocess.run(
+            [sys.executable, "-c", NEXT_CALL.replace("killed-caller", "nearly-full")],
+            env=env, capture_output=True, text=True, timeout=240,
+        )  # fmt: skip
+        assert "NEXT [1]" in done.stdout, done.stderr[-3000:]
+        client = MlflowClient(f"sqlite:///{store_disk}/mlflow/{paths.MLFLOW_DB}")
+        run = client.get_run(run_id)
+        assert run.info.status == "FINISHED" and run.data.tags["air_magic.outcome"] == "succeeded", run
+        for rank in (0, 1):
+            steps = sorted(m.step for m in client.get_metric_history(run_id, f"loss_{rank}"))
+            assert steps == list(range(1500)), (rank, len(steps))
