@@ -47,6 +47,7 @@ from typing import Any
 
 from air_magic import paths
 from air_magic.errors import ConfigurationError
+from air_magic.protocol.events import Outcome
 
 TEMP_PREFIX = paths.TEMP_PREFIX
 # mkdtemp's random part is [a-z0-9_]: the owner, after the last '.', cannot be mistaken for it.
@@ -372,6 +373,14 @@ def sweep_dead_callers(folder: str | None = None) -> list[str]:
         remove_tree(path)
         removed.append(name)
     return removed
+
+
+def call_still_running(summary: dict[str, object]) -> bool | None:
+    """A call's summary (its run.json) says it runs: whether the process running it (its owner:
+    a kernel, a script, a detached run's supervisor) still does. None: the summary says it ended."""
+    if summary.get("outcome") != Outcome.RUNNING:
+        return None
+    return owner_alive(str(summary.get("owner", "")))
 
 
 def owner_alive(tag: str) -> bool:

@@ -35,7 +35,7 @@ import sys
 
 from air_magic import paths, private_files
 from air_magic.errors import ConfigurationError
-from air_magic.protocol.events import EventBus, Outcome, RankOutput
+from air_magic.protocol.events import EventBus, RankOutput
 from air_magic.protocol.lines import MAX_PARTIAL, LineSplitter, visible
 
 KEEP_RUNS = 100  # log folders kept under the default root: weeks of work, megabytes not gigabytes
@@ -84,9 +84,7 @@ def _still_running(log_dir: str) -> bool:
             summary = json.load(f)
     except (OSError, ValueError):
         return False
-    return summary.get("outcome") == Outcome.RUNNING and private_files.owner_alive(
-        str(summary.get("owner", ""))
-    )
+    return private_files.call_still_running(summary) is True
 
 
 class RankTail:

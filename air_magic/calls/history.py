@@ -139,5 +139,9 @@ def read_summaries(log_root: str) -> list[dict[str, Any]]:
                 summary = json.load(f)
         except (OSError, ValueError):
             summary = {"run_id": entry.name, "name": "?", "outcome": Outcome.UNKNOWN, "log_dir": entry.path}
+        if isinstance(summary, dict) and private_files.call_still_running(summary) is False:
+            # Its process was killed mid-call (SIGKILL, a kernel restart): it never wrote an end.
+            summary["outcome"] = "lost"
+            summary["error"] = "the process that made this call ended before the call did (killed?)"
         found.append(summary)
     return found

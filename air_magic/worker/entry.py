@@ -281,6 +281,10 @@ def _end_with_the_caller(output: list[int]) -> None:
     more that its log would miss (a thread of the rank, draining while the rank prints on, would)."""
     group = os.getpgrp()
     if output:
+        # Printing through from here on: a line the rank prints before it is stopped is in the
+        # pipe, not in a flood's buffer that the stop would keep from it.
+        with contextlib.suppress(Exception):
+            live_stdout.finish()
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # Python 3.12's word on fork() in a threaded process

@@ -118,3 +118,7 @@ def test_a_killed_caller_loses_no_line_its_ranks_printed(tmp_path, mode):
         }
         missing = [n for n in map(int, printed) if n not in logged]
         assert not missing, (rank, len(printed), missing[:10])
+    from air_magic import verbs
+
+    (line,) = verbs.runs(str(logs))  # its run.json says running: its process is gone, so it is lost
+    assert f"{run.name}  lost " in line, line
