@@ -356,3 +356,45 @@ def test_an_attached_handle_counts_its_time_from_the_runs_start(tmp_path):
         gate.touch()
     assert first.result(timeout=120) == [1, 1]
     assert again.result(timeout=60) == [1, 1]
+
+
+@fault(
+    "a detached run's supervisor is SIGKILLed while its ranks' metric rows are on disk and not yet stored",
+    "the next tracked call imports every row into the run, then ends it KILLED",
+)
+def test_a_killed_supervisors_metric_rows_reach_its_run(store, tmp_path, monkeypatch):
+    import tempfile
+
+    # The supervisor's temp folder is $TMPDIR's (the session's private one is this process's
+    # alone, tests/conftest.py): this process looks for its metric folder where a user's would.
+    monkeypatch.setattr(tempfile, "tempdir", None)
+
+    def logs_then_waits(flags):
+        import os
+        import time
+
+        import mlflow
+
+        rank = int(os.environ["RANK"])
+        for step in range(300):
+            mlflow.log_metric(f"loss_{rank}", 1.0 / (step + 1), step=step)
+        open(os.path.join(flags, f"logged-{rank}"), "w").close()
+        time.sleep(600)
+
+    flags = tmp_path / "flags"
+    flags.mkdir()
+    fn = air_magic.distributed(num_accelerators=2, display="none", detach=True)(logs_then_waits)
+    handle = fn.distributed_async(str(flags))
+    _wait_for(lambda: len(list(flags.iterdir())) == 2, "both ranks to log their rows")
+    _wait_for(lambda: len(handle.rank_pids) == 2, "both ranks' start")
+    (run,) = [r for r in air_magic.runs() if r.id == handle.detached_id]
+    pids = list(handle.rank_pids.values())
+    os.kill(run.pid, signal.SIGKILL)  # right after the rows reached the files: most not stored
+    assert gone_within(pids)
+    mlflow_run_id = run_state(handle)["mlflow_run_id"]
+    air_magic.distributed(num_accelerators=1, display="none")(lambda: 1).distributed()  # reaps orphans
+    killed = store.get_run(mlflow_run_id)
+    assert killed.info.status == "KILLED", killed.info
+    for rank in (0, 1):
+        steps = sorted(m.step for m in store.get_metric_history(mlflow_run_id, f"loss_{rank}"))
+        assert steps == list(range(300)), (rank, len(steps))

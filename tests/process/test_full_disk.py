@@ -339,3 +339,43 @@ def test_rows_a_nearly_full_store_refused_reach_their_run_from_the_next_process(
         for rank in (0, 1):
             steps = sorted(m.step for m in client.get_metric_history(run_id, f"loss_{rank}"))
             assert steps == list(range(1500)), (rank, len(steps))
+
+
+FULL_BEFORE = r"""
+import os, sys
+import air_magic
+
+@air_magic.distributed(num_accelerators=2, display="text", experiment="full-before")
+def train():
+    import os, mlflow
+    mlflow.log_metric("loss", 0.5)
+    return int(os.environ["RANK"])
+
+print("WARM", train.distributed(), flush=True)  # the store's tables made
+with open(os.path.join(sys.argv[1], "ballast"), "wb") as f:
+    try:
+        while True:
+            f.write(b"x" * (1 << 20))
+            f.flush()
+    except OSError:
+        pass
+print("FULL", train.distributed(), flush=True)
+"""
+
+
+@fault(
+    "the embedded store's disk is full before a call",
+    "the call runs untracked with one line (no SQL, no traceback); the training runs",
+)
+def test_a_store_full_before_the_call_runs_it_untracked_in_one_line(tmp_path):
+    with small_tmpfs(tmp_path / "store", "12m", mode="0700") as store_disk:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+        env.update(AIR_MAGIC_MLFLOW_DIR=str(store_disk / "mlflow"), MLFLOW_DISABLE_TELEMETRY="true")
+        done = subprocess.run(
+            [sys.executable, "-c", FULL_BEFORE, str(store_disk)],
+            capture_output=True, text=True, timeout=300, env=env,
+        )  # fmt: skip
+    out = done.stdout + done.stderr
+    assert "FULL [0, 1]" in done.stdout, out[-4000:]
+    assert out.count("this call runs UNTRACKED") == 1, out[-4000:]  # the second call; the first tracked
+    assert "Traceback" not in out and "[SQL:" not in out, out[-4000:]
