@@ -357,8 +357,9 @@ METRICS_KEPT_S = 7 * 24 * 3600
 def sweep_dead_callers(folder: str | None = None) -> list[str]:
     """Remove this user's temp folders whose caller is dead; return the names removed.
 
-    A metric folder that names its MLflow run is left for that run's import (its rows are the
-    training's record), unless it is older than :data:`METRICS_KEPT_S`.
+    A metric folder that names its MLflow run and holds rows (or the call's outcome) is left for
+    that run's import (its rows are the training's record), unless it is older than
+    :data:`METRICS_KEPT_S`; one that holds nothing more goes.
     """
     removed = []
     for path in dead_callers_folders(None, folder):
@@ -368,11 +369,23 @@ def sweep_dead_callers(folder: str | None = None) -> list[str]:
                 named = os.stat(os.path.join(path, paths.METRICS_RUN_FILE)).st_mtime
             except OSError:
                 named = None
-            if named is not None and time.time() - named < METRICS_KEPT_S:
+            if named is not None and time.time() - named < METRICS_KEPT_S and _worth_keeping(path):
                 continue
         remove_tree(path)
         removed.append(name)
     return removed
+
+
+def _worth_keeping(metrics_folder: str) -> bool:
+    """A dead caller's metric folder holds something its run lacks: rows, or the call's outcome."""
+    try:
+        entries = list(os.scandir(metrics_folder))
+    except OSError:
+        return False
+    return any(
+        e.name == paths.METRICS_OUTCOME_FILE or (e.name.endswith(".tsv") and e.stat().st_size > 0)
+        for e in entries
+    )
 
 
 def call_still_running(summary: dict[str, object]) -> bool | None:

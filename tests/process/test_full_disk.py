@@ -379,3 +379,24 @@ def test_a_store_full_before_the_call_runs_it_untracked_in_one_line(tmp_path):
     assert "FULL [0, 1]" in done.stdout, out[-4000:]
     assert out.count("this call runs UNTRACKED") == 1, out[-4000:]  # the second call; the first tracked
     assert "Traceback" not in out and "[SQL:" not in out, out[-4000:]
+
+
+def test_the_sweep_keeps_a_dead_callers_metric_folder_only_while_it_holds_rows_or_an_outcome(tmp_path):
+    from air_magic import private_files
+
+    sleeper = subprocess.Popen(["sleep", "30"])
+    tag = private_files.process_tag(sleeper.pid)
+    sleeper.kill()
+    sleeper.wait()
+    made = {}
+    for what in ("empty", "rows", "outcome"):
+        folder = tmp_path / f"{private_files.TEMP_PREFIX}{paths.METRICS_KIND}-{what}.{tag}"
+        folder.mkdir()
+        (folder / paths.METRICS_RUN_FILE).write_text("run")
+        (folder / "rank-0.tsv").write_text("loss\t1.0\t1\t0\n" if what == "rows" else "")
+        if what == "outcome":
+            (folder / paths.METRICS_OUTCOME_FILE).write_text("succeeded")
+        made[what] = folder
+    removed = private_files.sweep_dead_callers(str(tmp_path))
+    assert removed == [made["empty"].name], removed
+    assert made["rows"].exists() and made["outcome"].exists()
