@@ -20,6 +20,20 @@ from mlflow.tracking import MlflowClient  # noqa: E402
 
 fault = pytest.mark.fault
 
+
+def _store_env(store: os.PathLike) -> dict[str, str]:
+    """This environment without MLflow's settings, the embedded store in ``store``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    env.update(AIR_MAGIC_MLFLOW_DIR=str(store), MLFLOW_DISABLE_TELEMETRY="true")
+    return env
+
+
+def _python(script: str, *args: object, env: dict[str, str], timeout: float = 300):
+    """``python -c script args``, its output captured."""
+    argv = [sys.executable, "-c", script, *map(str, args)]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
+
+
 # Each rank fills the temp folder, logs 5 metrics (not written), frees it, logs 3 (written).
 FILL_AND_LOG = r"""
 import os, sys, tempfile, time
@@ -228,12 +242,8 @@ print("TOOK", time.monotonic() - started)
 
 
 def _fill_the_store(tmp_path, store_disk, then):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
-    env.update(AIR_MAGIC_MLFLOW_DIR=str(store_disk / "mlflow"), MLFLOW_DISABLE_TELEMETRY="true")
-    done = subprocess.run(
-        [sys.executable, "-c", FILL_STORE, str(store_disk), then],
-        capture_output=True, text=True, timeout=300, env=env,
-    )  # fmt: skip
+    env = _store_env(store_disk / "mlflow")
+    done = _python(FILL_STORE, store_disk, then, env=env)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-4000:]
     first = next(line for line in done.stdout.splitlines() if line.startswith("FIRST"))
@@ -241,13 +251,13 @@ def _fill_the_store(tmp_path, store_disk, then):
     return env, out, first.split()[-1]
 
 
-def _stored_whole(store_disk, run_id):
+def _stored_whole(store_disk, run_id, rows=2000):
     client = MlflowClient(f"sqlite:///{store_disk}/mlflow/{paths.MLFLOW_DB}")
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED" and run.data.tags["air_magic.outcome"] == "succeeded", run
     for rank in (0, 1):
         steps = sorted(m.step for m in client.get_metric_history(run_id, f"loss_{rank}"))
-        assert steps == list(range(2000)), (rank, len(steps))
+        assert steps == list(range(rows)), (rank, len(steps))
 
 
 @fault(
@@ -279,10 +289,7 @@ def test_a_run_the_full_store_refused_is_ended_by_the_next_process(tmp_path):
         env, out, run_id = _fill_the_store(tmp_path, store_disk, "exit")
         assert out.count(f"MLflow run {run_id} could not be stored whole") == 1, out[-4000:]
         os.remove(store_disk / "ballast")
-        done = subprocess.run(
-            [sys.executable, "-c", NEXT_CALL.replace("killed-caller", "full-store")],
-            env=env, capture_output=True, text=True, timeout=240,
-        )  # fmt: skip
+        done = _python(NEXT_CALL.replace("killed-caller", "full-store"), env=env)
         assert "NEXT [1]" in done.stdout, done.stderr[-3000:]
         _stored_whole(store_disk, run_id)
 
@@ -316,29 +323,17 @@ print("FIRST", train.distributed(1500), air_magic.last_run().mlflow_run_id, flus
 )
 def test_rows_a_nearly_full_store_refused_reach_their_run_from_the_next_process(tmp_path):
     with small_tmpfs(tmp_path / "store", "12m", mode="0700") as store_disk:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
-        env.update(AIR_MAGIC_MLFLOW_DIR=str(store_disk / "mlflow"), MLFLOW_DISABLE_TELEMETRY="true")
-        done = subprocess.run(
-            [sys.executable, "-c", NEARLY_FULL, str(store_disk)],
-            capture_output=True, text=True, timeout=300, env=env,
-        )  # fmt: skip
+        env = _store_env(store_disk / "mlflow")
+        done = _python(NEARLY_FULL, store_disk, env=env)
         out = done.stdout + done.stderr
         first = [line for line in done.stdout.splitlines() if line.startswith("FIRST [0, 1] ")]
         assert first, out[-4000:]
         run_id = first[0].split()[-1]
         assert f"MLflow run {run_id} could not be stored whole" in out, out[-4000:]
         os.remove(store_disk / "ballast")
-        done = subprocess.run(
-            [sys.executable, "-c", NEXT_CALL.replace("killed-caller", "nearly-full")],
-            env=env, capture_output=True, text=True, timeout=240,
-        )  # fmt: skip
+        done = _python(NEXT_CALL.replace("killed-caller", "nearly-full"), env=env)
         assert "NEXT [1]" in done.stdout, done.stderr[-3000:]
-        client = MlflowClient(f"sqlite:///{store_disk}/mlflow/{paths.MLFLOW_DB}")
-        run = client.get_run(run_id)
-        assert run.info.status == "FINISHED" and run.data.tags["air_magic.outcome"] == "succeeded", run
-        for rank in (0, 1):
-            steps = sorted(m.step for m in client.get_metric_history(run_id, f"loss_{rank}"))
-            assert steps == list(range(1500)), (rank, len(steps))
+        _stored_whole(store_disk, run_id, rows=1500)
 
 
 FULL_BEFORE = r"""
@@ -369,12 +364,7 @@ print("FULL", train.distributed(), flush=True)
 )
 def test_a_store_full_before_the_call_runs_it_untracked_in_one_line(tmp_path):
     with small_tmpfs(tmp_path / "store", "12m", mode="0700") as store_disk:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
-        env.update(AIR_MAGIC_MLFLOW_DIR=str(store_disk / "mlflow"), MLFLOW_DISABLE_TELEMETRY="true")
-        done = subprocess.run(
-            [sys.executable, "-c", FULL_BEFORE, str(store_disk)],
-            capture_output=True, text=True, timeout=300, env=env,
-        )  # fmt: skip
+        done = _python(FULL_BEFORE, store_disk, env=_store_env(store_disk / "mlflow"))
     out = done.stdout + done.stderr
     assert "FULL [0, 1]" in done.stdout, out[-4000:]
     assert out.count("this call runs UNTRACKED") == 1, out[-4000:]  # the second call; the first tracked
