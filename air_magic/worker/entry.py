@@ -262,6 +262,8 @@ def _watch_lifeline() -> None:
 
 # What a rank whose caller died appends to its log: its pipes hold at most 1 MiB each.
 _UNREAD_MAX = 4 << 20
+# A rank whose caller died is gone within this, whatever its end waits for (see _end_with_the_caller).
+_END_WITHIN_S = 3.0
 
 
 def _own_pipes() -> list[int]:
@@ -280,6 +282,11 @@ def _end_with_the_caller(output: list[int]) -> None:
     group is killed. A fork does it from a group of its own: stopped first, the rank prints nothing
     more that its log would miss (a thread of the rank, draining while the rank prints on, would)."""
     group = os.getpgrp()
+    # The kill comes anyway: what follows may wait on a lock that a print into a full pipe holds,
+    # which nobody reads any more (the fork's flush); a sleeping thread needs no lock.
+    threading.Thread(
+        target=_kill_group_after, args=(group,), name="air_magic-lifeline-kill", daemon=True
+    ).start()
     if output:
         # Printing through from here on: a line the rank prints before it is stopped is in the
         # pipe, not in a flood's buffer that the stop would keep from it.
@@ -302,6 +309,11 @@ def _end_with_the_caller(output: list[int]) -> None:
         if pid > 0:
             time.sleep(60)  # stopped, then killed, by the fork
         _keep_unread_output(output)  # no fork: what is there now
+    os.killpg(group, signal.SIGKILL)
+
+
+def _kill_group_after(group: int) -> None:
+    time.sleep(_END_WITHIN_S)
     os.killpg(group, signal.SIGKILL)
 
 

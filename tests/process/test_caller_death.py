@@ -122,3 +122,49 @@ def test_a_killed_caller_loses_no_line_its_ranks_printed(tmp_path, mode):
 
     (line,) = verbs.runs(str(logs))  # its run.json says running: its process is gone, so it is lost
     assert f"{run.name}  lost " in line, line
+
+
+FLOOD_UNTIL_KILLED = r"""
+import sys
+import air_magic
+
+@air_magic.distributed(num_accelerators=2, display="none", tracking=False, log_dir=sys.argv[1])
+def flood(flags):
+    import os
+    with open(os.path.join(flags, f"pid-{os.environ['RANK']}"), "w") as f:
+        f.write(str(os.getpid()))
+    while True:
+        print("x" * 200, flush=True)  # blocks once the pipe is full and nobody reads it
+
+if sys.argv[3] == "warm":
+    from air_magic.backends.local import warm
+
+    assert warm.get_starter(wait_s=120) is not None, "the warm starter did not come up"
+flood.distributed(sys.argv[2])
+"""
+
+
+@pytest.mark.fault(
+    "the caller is frozen (SIGSTOP) while its ranks flood their pipes, then SIGKILLed",
+    "every rank goes within seconds, though its print is blocked on a full pipe",
+)
+@pytest.mark.parametrize("mode", ["cold", "warm"])
+def test_a_rank_blocked_on_a_full_pipe_still_dies_with_its_caller(tmp_path, mode):
+    import signal as signals
+
+    logs, flags = tmp_path / "logs", tmp_path / "flags"
+    flags.mkdir()
+    env = {**os.environ, "AIR_MAGIC_WARM": "1" if mode == "warm" else "0"}
+    proc = subprocess.Popen([sys.executable, "-c", FLOOD_UNTIL_KILLED, str(logs), str(flags), mode], env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(flags.iterdir())) < 2 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        assert len(list(flags.iterdir())) == 2, "the ranks did not start"
+        proc.send_signal(signals.SIGSTOP)  # nobody reads the pipes: they fill, and the prints block
+        time.sleep(1.5)
+    finally:
+        proc.kill()
+        proc.wait()
+    pids = [int((flags / f"pid-{rank}").read_text()) for rank in (0, 1)]
+    assert gone_within(pids, 10), "a rank blocked on its full pipe outlived its caller"
