@@ -57,6 +57,15 @@ def test_sigkill_of_the_caller_takes_every_rank_and_child_within_5_s(tmp_path, m
     assert alive_after(pids, 5) == []
 
 
+def _start_script(script: str, tmp_path, mode: str):
+    """``python -c script LOGS FLAGS MODE`` with warm ranks or fresh ones; (process, logs, flags)."""
+    logs, flags = tmp_path / "logs", tmp_path / "flags"
+    flags.mkdir()
+    env = {**os.environ, "AIR_MAGIC_WARM": "1" if mode == "warm" else "0"}
+    proc = subprocess.Popen([sys.executable, "-c", script, str(logs), str(flags), mode], env=env)
+    return proc, logs, flags
+
+
 PRINT_UNTIL_KILLED = r"""
 import sys
 import air_magic
@@ -90,11 +99,7 @@ printer.distributed(sys.argv[2])
 )
 @pytest.mark.parametrize("mode", ["cold", "warm"])
 def test_a_killed_caller_loses_no_line_its_ranks_printed(tmp_path, mode):
-    logs, flags = tmp_path / "logs", tmp_path / "flags"
-    flags.mkdir()
-    env = {**os.environ, "AIR_MAGIC_WARM": "1" if mode == "warm" else "0"}
-    args = [sys.executable, "-c", PRINT_UNTIL_KILLED, str(logs), str(flags), mode]
-    proc = subprocess.Popen(args, env=env)
+    proc, logs, flags = _start_script(PRINT_UNTIL_KILLED, tmp_path, mode)
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and proc.poll() is None:
@@ -150,18 +155,13 @@ flood.distributed(sys.argv[2])
 )
 @pytest.mark.parametrize("mode", ["cold", "warm"])
 def test_a_rank_blocked_on_a_full_pipe_still_dies_with_its_caller(tmp_path, mode):
-    import signal as signals
-
-    logs, flags = tmp_path / "logs", tmp_path / "flags"
-    flags.mkdir()
-    env = {**os.environ, "AIR_MAGIC_WARM": "1" if mode == "warm" else "0"}
-    proc = subprocess.Popen([sys.executable, "-c", FLOOD_UNTIL_KILLED, str(logs), str(flags), mode], env=env)
+    proc, _, flags = _start_script(FLOOD_UNTIL_KILLED, tmp_path, mode)
     try:
         deadline = time.monotonic() + 120
         while len(list(flags.iterdir())) < 2 and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.05)
         assert len(list(flags.iterdir())) == 2, "the ranks did not start"
-        proc.send_signal(signals.SIGSTOP)  # nobody reads the pipes: they fill, and the prints block
+        proc.send_signal(signal.SIGSTOP)  # nobody reads the pipes: they fill, and the prints block
         time.sleep(1.5)
     finally:
         proc.kill()
