@@ -38,6 +38,12 @@ class SessionCell:
     results: dict[int, bytes] = field(default_factory=dict)  # rank -> its pickled value
     logged: bool = False  # its MLflow step is queued (at its end, or as the session ended under it)
 
+    def show_record(self, record: Any) -> None:
+        """The tracked run's link, to the displays that show it."""
+        for display in self.displays:
+            if hasattr(display, "set_record"):
+                display.set_record(record)
+
     def everyone_answered(self) -> bool:
         return len(self.answers) == self.world_size
 

@@ -29,7 +29,7 @@ def test_a_gpu_session_keeps_cuda_state_and_shows_its_memory():
         assert s.run_cell("import torch.distributed as dist\ndist.get_backend()") == ["nccl"] * n
         # 1 GiB per rank, kept for the next cells
         s.run_cell("import torch\nx = torch.ones(256, 1024, 1024, device='cuda')")
-        held = [s._memory[r] for r in range(n)]
+        held = [s.call.memory[r] for r in range(n)]
         assert all(m["gpu"] >= 1 << 30 and m["device"] == r for r, m in enumerate(held)), held
         assert "GPU memory in use" in s.status() and "cuda:0" in s.status()
         summed = s.run_cell("t = x[0, 0, :1].clone()\ndist.all_reduce(t)\nt.item()")
@@ -51,7 +51,7 @@ def test_a_gpu_session_keeps_cuda_state_and_shows_its_memory():
             s.run_cell("1")
             took.append(time.perf_counter() - start)
         print(f"\nsession cell on {n} GPU rank(s): median {statistics.median(took) * 1e3:.2f} ms")
-        pids = list(s._pids.values())
+        pids = list(s.call.pids.values())
     deadline = time.monotonic() + 10
     while any(psutil.pid_exists(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -60,7 +60,7 @@ def _gone(pids, wait_s=10.0):
 
 
 def test_ranks_keep_their_globals_and_process_group_across_cells(ip, session):
-    pids = [session._pids[r] for r in range(2)]
+    pids = [session.call.pids[r] for r in range(2)]
     _, out = cell(
         ip, "import os, torch, torch.distributed as dist\nrank = int(os.environ['RANK'])\nprint('hi', rank)"
     )
@@ -88,7 +88,7 @@ def test_ranks_keep_their_globals_and_process_group_across_cells(ip, session):
     assert out.stderr.count("kept the session's process group") == 4  # 2 ranks; 'cpu:gloo' is gloo
     values, _ = cell(ip, "rank")
     assert values == [0, 1]
-    assert [session._pids[r] for r in range(2)] == pids  # the same processes throughout
+    assert [session.call.pids[r] for r in range(2)] == pids  # the same processes throughout
     _, out = line(ip, "session status")
     assert f"session {session.id}: ready, 2 rank(s), 5 cell(s) run" in out.stdout
     assert "resident" in out.stdout
@@ -138,7 +138,7 @@ def test_an_error_while_peers_wait_in_a_collective(ip, session, monkeypatch):
     # rank 0 was blocked in gloo's barrier (C code): it could not be interrupted, so the session ended
     assert persistent.active() is None
     assert session.state == "ended"
-    assert _gone(list(session._pids.values()))
+    assert _gone(list(session.call.pids.values()))
     # Its record says why: the cell's root cause, not the stop that followed it.
     import json
     from pathlib import Path
@@ -151,7 +151,7 @@ def test_an_error_while_peers_wait_in_a_collective(ip, session, monkeypatch):
 
 @fault("a session rank dies mid-cell (SIGKILL)", "the session ends, says which rank and how; no rank left")
 def test_a_crashed_rank_ends_the_session_with_a_clear_message(ip, session):
-    pids = list(session._pids.values())
+    pids = list(session.call.pids.values())
     with pytest.raises(persistent.SessionEndedError) as info:
         cell(
             ip,
@@ -193,7 +193,7 @@ def test_a_hanging_cell_hits_its_timeout_and_the_session_recovers(ip, session):
 )
 def test_a_cell_stuck_in_a_collective_ends_the_session_at_its_timeout(ip, session, monkeypatch):
     monkeypatch.setattr(cell_loop, "RECOVER_S", 1.0)  # rank 0 cannot recover (in C): no need to wait 3 s
-    pids = list(session._pids.values())
+    pids = list(session.call.pids.values())
     with pytest.raises(TimeoutError) as info:
         cell(
             ip,
@@ -221,14 +221,14 @@ def test_a_cell_may_set_its_timeout_and_display_only(ip, session):
 
 def test_restart_gives_new_ranks_and_stop_leaves_none(ip, session):
     cell(ip, "kept = 1")
-    old = list(session._pids.values())
+    old = list(session.call.pids.values())
     new, _ = line(ip, "session restart")
     try:
         assert persistent.active() is new and new is not session
         assert _gone(old)
         with pytest.raises(NameError):
             new.run_cell("kept")
-        pids = list(new._pids.values())
+        pids = list(new.call.pids.values())
         _, out = line(ip, "session stop")
         assert "stopped; every rank is gone" in out.stdout
         assert _gone(pids, wait_s=1.0)
@@ -249,7 +249,7 @@ def test_the_context_manager_runs_functions_and_cells():
         assert s.run(where, 10) == [10, 11]
         s.run_cell("import os\ncount = int(os.environ['RANK'])")
         assert s.run_cell("count += 5\ncount") == [5, 6]
-        pids = list(s._pids.values())
+        pids = list(s.call.pids.values())
     assert persistent.active() is None and _gone(pids, wait_s=1.0)
 
 
@@ -282,9 +282,9 @@ def test_one_mlflow_run_per_session_with_a_step_per_cell(ip, tmp_path):
 
 
 def test_a_rank_killed_between_cells_is_reported_at_the_next_cell(ip, session):
-    os.kill(session._pids[0], signal.SIGKILL)
+    os.kill(session.call.pids[0], signal.SIGKILL)
     deadline = time.monotonic() + 10
-    while session._thread.is_alive() and time.monotonic() < deadline:
+    while session.call.running() and time.monotonic() < deadline:
         time.sleep(0.05)
     with pytest.raises(persistent.SessionEndedError, match="between cells") as info:
         cell(ip, "1")  # not fresh ranks with the notebook's copies: the session's end, said once
@@ -366,7 +366,7 @@ def test_a_session_with_a_failed_cell_is_not_listed_as_succeeded(ip, session):
 
 @warm_only
 def test_leaving_a_session_held_by_a_non_daemon_thread_says_why(ip, session, capsys):
-    pids = list(session._pids.values())
+    pids = list(session.call.pids.values())
     cell(ip, "import threading, time\nthreading.Thread(target=time.sleep, args=(600,)).start()")
     capsys.readouterr()
     session.stop(wait_s=4)
@@ -440,13 +440,13 @@ def test_an_interrupt_that_comes_before_a_rank_starts_the_cell_is_not_lost(ip, s
     """Between cells a rank ignores SIGINT (a late one must not end it), so a rank that a loaded
     machine held back until after the interrupt missed it, slept on and ended the session (issue 48,
     22). SIGSTOP holds rank 1 back until the caller has interrupted it after rank 0's error."""
-    held = session._pids[1]
+    held = session.call.pids[1]
     os.kill(held, signal.SIGSTOP)
 
     def release_once_interrupted() -> None:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            current = session._current
+            current = session.loop.current
             if current is not None and current.interrupted:  # set once SIGINT was sent
                 break
             time.sleep(0.01)
