@@ -5,7 +5,9 @@ its bound arguments and validated settings::
 
     run_call(name, func, bound, settings)
       1. refuse a call from inside a rank
-      2. backend_for(settings)            the local backend, warm or fresh, or the Ray backend
+      2. runners.runner_for(settings)     where it runs (calls/runners.py, the one place that decides
+                                          detached): here on the local backend, warm or fresh, or the
+                                          Ray backend; or under a supervisor of its own
       3. backend.prepare(settings)        starts what is slow to start; the accelerator plan
       4. build_payload(...)               cloudpickle once; an unpicklable part fails here, named
       5. tracking.TrackedRunOwner(...).wait()    the call's MLflow run (its variables go to every rank)
@@ -19,15 +21,13 @@ from __future__ import annotations
 import atexit
 import inspect
 import os
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypedDict
 
 from air_magic.backends.base import Backend
 from air_magic.backends.local import warm
-from air_magic.backends.local.backend import LocalBackend
-from air_magic.calls import gpu_claims
+from air_magic.calls import gpu_claims, runners
 from air_magic.calls.history import RunHistory
 from air_magic.display.widgets import make_consumers
 from air_magic.errors import ConfigurationError
@@ -43,24 +43,10 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack  # typing's own from Python 3.11 (we support 3.10)
 
 
-def backend_for(settings: LaunchSettings) -> Backend:
-    """The backend a call with these settings runs on."""
-    if settings.cluster is not None and settings.cluster.startswith("ray"):
-        _, _, address = settings.cluster.partition("=")
-        if settings.detach:  # a Ray job: its supervisor places the ranks on the cluster
-            from air_magic.calls.ray_jobs import JobSubmitter
-
-            return JobSubmitter(address or None)
-        from air_magic.backends.ray.backend import RayBackend  # imports nothing of Ray until it runs
-
-        return RayBackend(address or None, warm_start=settings.warm_start)
-    # A detached run's ranks start fresh under its supervisor: no warm starter here for it.
-    return LocalBackend(warm_start=settings.warm_start and not settings.detach)
-
-
 class CallOrigin(TypedDict, total=False):
     """What a call is besides its function, as :func:`prepare_call` takes it (``kind``: 'function',
-    'cell', 'script', ...; ``source``: a cell's text; ``backend``: default :func:`backend_for`)."""
+    'cell', 'script', ...; ``source``: a cell's text; ``backend``: default
+    the runner's, ``calls/runners.runner_for``)."""
 
     kind: str
     source: str | None
@@ -82,14 +68,7 @@ def run_call(
     ``settings.display`` names (the command line's JSON lines, say).
     """
     prepared = prepare_call(name, func, bound, settings, **origin)
-    if settings.detach:
-        return _follow_detached(prepared, consumers)
-    try:
-        displays = prepared.displays()
-    except BaseException:
-        prepared.abandon()
-        raise
-    return prepared.run(displays, consumers)
+    return prepared.runner.run(prepared, consumers)
 
 
 def start_async(
@@ -98,41 +77,12 @@ def start_async(
     consumers: Sequence[Consumer] = (),
 ) -> Any:
     """Start a prepared call and return its handle at once: in a thread of this process, or under
-    a supervisor of its own (``detach=True``)."""
-    from air_magic.calls import background
-
+    a supervisor of its own (``detach=True``): its runner's (``calls/runners.py``)."""
     try:
-        if prepared.settings.detach:
-            return _start_detached(prepared, on_result, consumers)
-        return background.start_background(prepared, on_result=on_result, consumers=consumers)
+        return prepared.runner.start(prepared, on_result, consumers)
     except BaseException:
         prepared.abandon()  # nothing was left running: its GPUs are free again (a no-op if given back)
         raise
-
-
-def _start_detached(prepared: PreparedCall, on_result: Any, consumers: Sequence[Consumer]) -> Any:
-    """A supervisor of its own: a process here, or a Ray job on the cluster (``cluster="ray"``)."""
-    from air_magic.calls import detached, ray_jobs
-
-    if isinstance(prepared.backend, ray_jobs.JobSubmitter):
-        return ray_jobs.submit(prepared, on_result, consumers)
-    return detached.start_detached(prepared, on_result, consumers)
-
-
-def _follow_detached(prepared: PreparedCall, consumers: Sequence[Consumer]) -> RunResult:
-    """A foreground call with ``detach=True``: the supervisor runs it, this process watches it to the
-    end. Ctrl-C (the stop button) stops watching, not the run: it was detached to outlive this
-    process, and ``attach`` treats Ctrl-C the same way; the message says how to follow or cancel it."""
-    from air_magic.calls import detached
-
-    handle = _start_detached(prepared, None, consumers)
-    try:
-        handle.exception()  # waits for the end
-    except KeyboardInterrupt:
-        said = detached.stop_following(handle)
-        print(f"air_magic: {said}", file=sys.stderr, flush=True)
-        raise KeyboardInterrupt(said) from None
-    return handle.run_result()
 
 
 def prepare_call(
@@ -162,8 +112,8 @@ def prepare_call(
             "kernel or script started in it); ranks start in the caller's folder. Change to one that "
             "exists first (%cd ~ in a notebook, os.chdir(...)); nothing was launched."
         ) from None
-    backend = backend if backend is not None else backend_for(settings)
-    plan = backend.prepare(settings)
+    runner = runners.runner_for(settings, backend)
+    plan, backend = runner.prepare(settings)
     try:
         payload = build_payload(func, bound, settings.max_payload_bytes)
         # The last check, on the caller's thread: from here the GPUs are this call's until run() ends.
@@ -188,7 +138,7 @@ def prepare_call(
         )
         run_owner = tracking.TrackedRunOwner(facts, log_root=settings.log_dir)
         run_owner.remember_active()
-    return PreparedCall(name, settings, backend, plan, payload, run_owner, claim, facts, kind)
+    return PreparedCall(name, settings, backend, plan, payload, run_owner, claim, runner, facts, kind)
 
 
 @dataclass
@@ -197,11 +147,12 @@ class PreparedCall:
 
     name: str
     settings: LaunchSettings
-    backend: Backend
+    backend: Backend | None  # what starts the ranks from this process (None: a Ray job's supervisor)
     plan: AcceleratorPlan
     payload: bytes
     run_owner: tracking.TrackedRunOwner | None
     claim: int | None  # the GPUs this call holds (gpu_claims), released when run() ends
+    runner: runners.Runner  # where and how long it runs (calls/runners.py)
     # What its MLflow run records (a detached run's supervisor creates the run from it).
     facts: tracking.CallFacts | None = None
     kind: str = "function"  # 'function' or 'cell'; from the command line also 'script' or 'module'
@@ -248,6 +199,7 @@ class PreparedCall:
             wired: list[Consumer] = [RunHistory(record), *displays, *consumers]
             if tracked is not None:
                 wired.append(tracked)
+            assert self.backend is not None, f"{self.name} runs elsewhere ({self.runner})"
             result = self.backend.run(request, EventBus(wired))
             outcome = result.outcome
             return result
@@ -272,7 +224,7 @@ def _mlflow_env(
     return dict(run_owner.untracked_env) if run_owner is not None else {}
 
 
-def _release(backend: Backend) -> None:
+def _release(backend: Backend | None) -> None:
     """What ``backend.prepare`` reserved for the call (the Ray backend's pool), given back."""
     release = getattr(backend, "release", None)
     if release is not None:

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from air_magic.backends.base import Backend
-from air_magic.calls import call
+from air_magic.calls import call, runners
 from air_magic.calls.cell_loop import CellLoop
 from air_magic.calls.held_names import CallerChanges, HeldNames
 from air_magic.calls.session_call import SLOW_STOP_S, SessionCall, SessionStatus, memory_words
@@ -108,7 +108,7 @@ class Session:
     """
 
     def __init__(self, settings: LaunchSettings, name: str = "session", backend: Backend | None = None):
-        if settings.detach:
+        if runners.outlives_caller(settings):
             raise ConfigurationError("a persistent session lives in this process: detach=True is not for it")
         self.call = SessionCall(settings, name, backend)
         self.names = HeldNames()  # what the ranks hold of the notebook's (notebook/magics.py asks)

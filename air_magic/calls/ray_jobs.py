@@ -1,7 +1,7 @@
 """Detached runs on a Ray cluster: each a Ray job, submitted and followed from any machine.
 
 ``detach=True`` with ``cluster="ray"`` (``air-magic run --cluster ray=ADDRESS --detach``)
-comes here from ``calls/call.py`` instead of ``calls/detached.py``'s local
+comes here from ``calls/runners.RayJob`` instead of ``calls/detached.py``'s local
 supervisor. :func:`submit` hands the prepared call to Ray's Jobs API and returns
 once the job is accepted; the submitting process may then exit::
 
@@ -47,9 +47,7 @@ from air_magic.calls.background import RunHandle
 from air_magic.display.widgets import make_consumers
 from air_magic.errors import ConfigurationError, LaunchError
 from air_magic.launch import result_text
-from air_magic.launch.accelerators import AcceleratorPlan
 from air_magic.launch.request import RunResult, new_run_id
-from air_magic.launch.settings import LaunchSettings
 from air_magic.protocol import env_names, event_log, serialization
 from air_magic.protocol.events import Outcome
 
@@ -66,36 +64,11 @@ _LIVE_JOB = ("PENDING", "RUNNING")
 # -- the submitting side -------------------------------------------------------------------
 
 
-class JobSubmitter:
-    """The backend ``prepare_call`` sees for a detached Ray run: it checks the cluster's Jobs API
-    answers and places nothing (the job's supervisor places the ranks on the cluster)."""
-
-    name = "ray-job"
-
-    def __init__(self, address: str | None) -> None:
-        self.address = address
-        self.client: Any = None
-
-    def prepare(self, settings: LaunchSettings) -> AcceleratorPlan:
-        self.client = jobs_api.client_for(self.address)
-        count = settings.num_accelerators if isinstance(settings.num_accelerators, int) else 0
-        return AcceleratorPlan(world_size=count, gpus=(), detected="a Ray cluster (placed by the job)")
-
-    def run(self, request: Any, bus: Any) -> Any:
-        raise LaunchError("a detached Ray run is submitted as a job (calls/ray_jobs.submit), not run here")
-
-    def stop(self, grace_s: float | None = None, signum: int | None = None) -> None:
-        pass
-
-    def stacks(self) -> dict[int, str]:
-        return {}
-
-
-def submit(prepared: Any, on_result: Any = None, consumers: Sequence[Any] = ()) -> RunHandle:
-    """Submit ``prepared`` as a Ray job; follow it here. Returns once the job is accepted."""
-    submitter = prepared.backend
-    assert isinstance(submitter, JobSubmitter) and submitter.client is not None, "prepare_call first"
-    client = submitter.client
+def submit(
+    prepared: Any, client: Any, address: str | None, on_result: Any = None, consumers: Sequence[Any] = ()
+) -> RunHandle:
+    """Submit ``prepared`` as a Ray job through ``client`` (the cluster's Jobs API at ``address``,
+    checked by ``calls/runners.RayJob.prepare``); follow it here. Returns once the job is accepted."""
     run_id = new_run_id()
     request = detached.request_for(prepared)
     state = detached.first_state(run_id, prepared)
@@ -129,7 +102,7 @@ def submit(prepared: Any, on_result: Any = None, consumers: Sequence[Any] = ()) 
             )
     finally:
         prepared.abandon()
-    place = JobRun(client, run_id, address=submitter.address)
+    place = JobRun(client, run_id, address=address)
     return detached.follow_run(place, make_consumers(prepared.settings.display), on_result, consumers)
 
 

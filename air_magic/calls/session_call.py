@@ -117,7 +117,7 @@ class SessionCall:
         self.ended_ranks: dict[int, str] = {}  # rank -> how it ended (status shows no memory for it)
         self.cells: Cells | None = None  # who runs the cells: asked for the current cell and outcome
         self.prepared: call.PreparedCall | None = None
-        self._backend = backend
+        self._given_backend = backend  # the one to run it with (a test's scripted backend), else the runner's
         self._thread: threading.Thread | None = None
         self._queue: queue.SimpleQueue[Delivered] = queue.SimpleQueue()
         self._result: RunResult | None = None
@@ -138,7 +138,7 @@ class SessionCall:
             inspect.signature(func).bind(),
             settings,
             kind="session",
-            backend=self._backend,
+            backend=self._given_backend,
         )
         prepared.channel = self
         prepared.run_id = self.id
@@ -187,10 +187,13 @@ class SessionCall:
         self.stop_ranks()
         self.state = SessionStatus.ENDED
 
+    def _backend(self) -> Backend | None:
+        return self.prepared.backend if self.prepared is not None else None
+
     def stop_ranks(self) -> None:
-        prepared = self.prepared
-        if prepared is not None:
-            prepared.backend.stop()
+        backend = self._backend()
+        if backend is not None:
+            backend.stop()
         self.join(15.0)
 
     def say_why_slow(self, wait_s: float) -> None:
@@ -198,9 +201,10 @@ class SessionCall:
         (Python waits for it before a process ends). Said, with their stacks, not waited in silence."""
         left = sorted(r for r in self.pids if r not in self.ended_ranks)
         where = ""
-        if self.prepared is not None and self.log_dir:
+        backend = self._backend()
+        if backend is not None and self.log_dir:
             try:
-                self.prepared.backend.stacks()  # every thread of every rank, into stacks.txt
+                backend.stacks()  # every thread of every rank, into stacks.txt
                 where = f"; their threads' stacks: {os.path.join(self.log_dir, paths.STACKS_FILE)}"
             except Exception:  # noqa: BLE001 - a help only
                 where = ""
@@ -214,10 +218,11 @@ class SessionCall:
 
     def stacks(self, ranks: list[int]) -> dict[int, str]:
         """The thread stacks of these ranks, from the backend (on this machine or the nodes')."""
-        if self.prepared is None:
+        backend = self._backend()
+        if backend is None:
             return {}
         try:
-            return {r: text for r, text in self.prepared.backend.stacks().items() if r in ranks}
+            return {r: text for r, text in backend.stacks().items() if r in ranks}
         except Exception:  # noqa: BLE001 - stacks are a help; the timeout's error goes out anyway
             return {}
 

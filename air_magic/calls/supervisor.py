@@ -64,7 +64,7 @@ if __name__ == "__main__":  # before the imports below: they take the time a can
 
 from air_magic.backends.base import Backend  # noqa: E402
 from air_magic.backends.local.backend import LocalBackend  # noqa: E402
-from air_magic.calls import detached  # noqa: E402
+from air_magic.calls import detached, runners  # noqa: E402
 from air_magic.calls.call import PreparedCall  # noqa: E402
 from air_magic.launch import result_text  # noqa: E402
 from air_magic.launch.request import RunResult  # noqa: E402
@@ -164,6 +164,7 @@ def _supervise(
         request.payload,
         run_owner,
         None,
+        runners.InThisProcess(backend),  # the supervisor is where it runs
         kind=request.kind,
         run_id=os.path.basename(folder),  # one id for the run: its folder here, its log folder, runs()
     )

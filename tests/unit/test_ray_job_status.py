@@ -8,7 +8,7 @@ import pytest
 
 from air_magic.backends.ray import jobs_api
 from air_magic.calls import ray_jobs
-from air_magic.calls.call import backend_for
+from air_magic.calls import runners
 from air_magic.errors import ConfigurationError
 from air_magic.launch.settings import make_settings
 
@@ -64,8 +64,8 @@ def test_a_result_travels_as_json_and_comes_back_as_a_local_attach_raises_it():
 
 def test_detach_with_a_ray_cluster_is_submitted_as_a_job():
     settings = make_settings(detach=True, cluster="ray=http://127.0.0.1:8265")
-    backend = backend_for(settings)
-    assert isinstance(backend, ray_jobs.JobSubmitter) and backend.address == "http://127.0.0.1:8265"
+    runner = runners.runner_for(settings)
+    assert isinstance(runner, runners.RayJob) and runner.address == "http://127.0.0.1:8265"
 
 
 def test_which_cluster_a_follower_asks(monkeypatch):

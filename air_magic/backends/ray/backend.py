@@ -1,7 +1,7 @@
 """The Ray backend: every rank on a Ray cluster, behind the same seam as the local backend.
 
 ``@distributed(..., cluster="ray")`` (or ``"ray=ADDRESS"``) comes here through
-``calls/call.backend_for``::
+``calls/runners.runner_for``::
 
     RayBackend.prepare(settings)   connect (cluster.py: ray_init's safe defaults when it starts Ray);
                                    the pool for this many ranks: placement group + one agent per node
