@@ -37,7 +37,7 @@ from types import FrameType
 from typing import Any
 
 from air_magic import torchrun_flags, verbs
-from air_magic.calls import anywhere, detached, history, ray_jobs
+from air_magic.calls import anywhere, detached, history, ray_jobs, runners
 from air_magic.calls.call import prepare_call, run_call, start_async
 from air_magic.display.json_lines import JsonLines
 from air_magic.display.text import TextDisplay
@@ -82,28 +82,25 @@ def _main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0 if argv else USAGE_ERROR
-    commands = {
-        "runs": _runs,
-        "logs": _logs,
-        "attach": _attach,
-        "stack": _stack,
-        "cancel": _cancel,
-        "ui": _ui,
-    }
-    if argv[0] in commands:
-        try:
-            return commands[argv[0]](argv[1:])
-        except (UsageError, ConfigurationError) as exc:
-            print(f"air-magic {argv[0]}: {exc}", file=sys.stderr)
-            return USAGE_ERROR
-    if argv[0] != "run":
+    handler = verbs.handler(argv[0], "cli")
+    if handler is None:
         parser.print_usage(sys.stderr)
-        print(
-            f"air-magic: unknown command {argv[0]!r} (commands: run, {', '.join(commands)})", file=sys.stderr
-        )
+        commands = ", ".join(verbs.names("cli"))
+        print(f"air-magic: unknown command {argv[0]!r} (commands: {commands})", file=sys.stderr)
         return USAGE_ERROR
     try:
-        options, target = _split_run_arguments(argv[1:])
+        status: int = handler(argv[1:])
+    except (UsageError, ConfigurationError) as exc:
+        print(f"air-magic {argv[0]}: {exc}", file=sys.stderr)
+        return USAGE_ERROR
+    return status
+
+
+@verbs.handles("run", "cli")
+def _run_command(argv: list[str]) -> int:
+    """``run [options] TARGET [ARGS]``; a bad TARGET or option (UsageError) is _main's to print."""
+    try:
+        options, target = _split_run_arguments(argv)
         args = _run_parser().parse_args(options)
         if target is None:
             raise UsageError("run needs a TARGET: script.py, -m module, module:function or notebook.ipynb")
@@ -124,10 +121,7 @@ def _main(argv: list[str] | None = None) -> int:
         if torchrun.env:
             given["env"] = {**torchrun.env, **(given.get("env") or {})}  # --env wins
         settings = make_settings(**{**given, **torchrun.settings}, display="none")
-    except UsageError as exc:
-        print(f"air-magic run: {exc}", file=sys.stderr)
-        return USAGE_ERROR
-    except ConfigurationError as exc:
+    except ConfigurationError as exc:  # a bad setting: one line, as for a bad option
         print(f"air-magic run: {str(exc).splitlines()[0]}", file=sys.stderr)
         return USAGE_ERROR
     return _run(call, settings, args, torchrun)
@@ -346,6 +340,7 @@ def _add_cluster(parser: argparse.ArgumentParser) -> None:
     )
 
 
+@verbs.handles("runs", "cli")
 def _runs(argv: list[str]) -> int:
     parser = _log_parser("runs")
     parser.add_argument("-n", type=int, default=20, help="how many (default: 20)")
@@ -356,11 +351,16 @@ def _runs(argv: list[str]) -> int:
     return 0
 
 
-def _logs(argv: list[str]) -> int:
-    parser = _log_parser("logs")
+def _parse_run_rank(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """The arguments of a verb that takes ``[RUN] [RANK]`` (``words``) and ``--cluster``."""
     parser.add_argument("words", nargs="*", metavar="[RUN] [RANK]")
     _add_cluster(parser)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+@verbs.handles("logs", "cli")
+def _logs(argv: list[str]) -> int:
+    args = _parse_run_rank(_log_parser("logs"), argv)
     run, rank = verbs.split_logs_args(args.words)
     text = verbs.logs(run, rank, args.log_dir, cluster=ray_jobs.cluster_address(args.cluster))
     sys.stdout.write(text if text.endswith("\n") or not text else text + "\n")
@@ -379,7 +379,7 @@ def _run(
     torchrun = torchrun or torchrun_flags.TorchrunLine()
     name, fn, bound, kind = call
     source = _read(bound.args[0]) if kind == "script" else None  # the run keeps the script's text
-    if settings.detach:
+    if runners.outlives_caller(settings):  # started and left: its supervisor runs it
         return _start_detached(name, fn, bound, settings, kind, source)
     json_out = JsonLines() if args.json else None
     consumers = _displays(args, json_out, torchrun.console_ranks)
@@ -463,6 +463,7 @@ def _start_detached(
     return 0
 
 
+@verbs.handles("attach", "cli")
 def _attach(argv: list[str]) -> int:
     parser = _verb_parser(
         "attach", "The exit status says how it ended. Ctrl-C stops following; the run goes on."
@@ -498,16 +499,15 @@ def _attach(argv: list[str]) -> int:
     return status
 
 
+@verbs.handles("stack", "cli")
 def _stack(argv: list[str]) -> int:
-    parser = _verb_parser("stack", "RUN: a detached run's id (or the start of it).")
-    parser.add_argument("words", nargs="*", metavar="[RUN] [RANK]")
-    _add_cluster(parser)
-    args = parser.parse_args(argv)
+    args = _parse_run_rank(_verb_parser("stack", "RUN: a detached run's id (or the start of it)."), argv)
     run, rank = verbs.split_run_rank(args.words, "stack")
     print(verbs.stack_of_run(run, rank, cluster=args.cluster))
     return 0
 
 
+@verbs.handles("cancel", "cli")
 def _cancel(argv: list[str]) -> int:
     parser = _verb_parser("cancel")
     parser.add_argument("run", metavar="RUN", help="its id (or the start of it)")
@@ -528,6 +528,7 @@ def _cancel(argv: list[str]) -> int:
     return 1
 
 
+@verbs.handles("ui", "cli")
 def _ui(argv: list[str]) -> int:
     from air_magic.tracking import ui as mlflow_ui
     from air_magic.tracking.store import current_uri

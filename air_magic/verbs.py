@@ -2,7 +2,10 @@
 
 One table (:data:`VERBS`) names every verb, its arguments and what it does, and
 on which surface it exists; the command line's help and the line magic's help
-and docstring are made from it (``cli.py``, ``notebook/magics.py``). The verbs
+and docstring are made from it, and both dispatch from it: each surface
+registers its function for a verb with :func:`handles` and finds it with
+:func:`handler` (``cli.py``, ``notebook/magics.py``; they import this module,
+never the reverse, so the table is filled as each surface is imported). The verbs
 that read what is on disk are written once here: :func:`runs` (the recent
 calls, detached runs included) and :func:`logs` (a call's log folder, or a
 rank's log). ``attach`` and ``cancel`` are ``calls/detached.py``'s on both.
@@ -11,13 +14,17 @@ rank's log). ``attach`` and ``cancel`` are ``calls/detached.py``'s on both.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, TypeVar
 
 from air_magic import paths
 from air_magic.calls import anywhere, detached, history, ray_jobs
 from air_magic.errors import ConfigurationError
 from air_magic.protocol.events import Outcome
+
+Surface = Literal["cli", "magic"]
+_Handler = TypeVar("_Handler", bound=Callable[..., Any])
 
 
 @dataclass(frozen=True)
@@ -27,6 +34,10 @@ class Verb:
     does: str
     magic: bool = True  # a ``%distributed`` verb
     cli: bool = True  # an ``air-magic`` command
+    magic_aliases: tuple[str, ...] = ()  # earlier names ``%distributed`` still takes (existing notebooks)
+
+    def on(self, surface: Surface) -> bool:
+        return self.magic if surface == "magic" else self.cli
 
 
 VERBS = (
@@ -64,6 +75,7 @@ VERBS = (
         "ui",
         "[--run RUN_ID]",
         "the MLflow UI over the store: the one server your kernels share, started if needed",
+        magic_aliases=("mlflow-ui",),  # its first name
     ),
     Verb("settings", "", "what this machine has, where logs go", cli=False),
     Verb(
@@ -80,12 +92,45 @@ VERBS = (
 
 
 VERB = {v.name: v for v in VERBS}
+_MAGIC_ALIAS = {alias: v.name for v in VERBS for alias in v.magic_aliases}
+
+# Each surface's function for each of its verbs, filled by @handles as cli.py and magics.py are
+# imported. A command line handler takes the words after the verb and returns the exit status; a
+# line magic handler takes the rest of the line as typed and returns the magic's value.
+_HANDLERS: dict[Surface, dict[str, Callable[..., Any]]] = {"cli": {}, "magic": {}}
 
 
-def help_text(surface: str) -> str:
-    """The verbs of ``surface`` ('magic' or 'cli'), one line each, as its help shows them."""
+def handles(name: str, surface: Surface) -> Callable[[_Handler], _Handler]:
+    """Registers the decorated function as ``surface``'s handler of verb ``name``; a verb the
+    table does not give that surface is refused at import, so the table stays the one list."""
+    verb = VERB.get(name)
+    if verb is None or not verb.on(surface):
+        raise ValueError(f"the verb table (air_magic/verbs.py) has no {surface} verb {name!r}")
+
+    def register(fn: _Handler) -> _Handler:
+        _HANDLERS[surface][name] = fn
+        return fn
+
+    return register
+
+
+def handler(command: str, surface: Surface) -> Callable[..., Any] | None:
+    """``surface``'s handler of ``command`` (on the magic, an earlier name of a verb is that verb);
+    None for a command that is not one of its verbs."""
+    if surface == "magic":
+        command = _MAGIC_ALIAS.get(command, command)
+    return _HANDLERS[surface].get(command)
+
+
+def handlers(surface: Surface) -> dict[str, Callable[..., Any]]:
+    """The verbs ``surface`` has registered a handler for, and their handlers."""
+    return dict(_HANDLERS[surface])
+
+
+def help_text(surface: Surface) -> str:
+    """The verbs of ``surface``, one line each, as its help shows them."""
     prefix = "%distributed" if surface == "magic" else "air-magic"
-    shown = [v for v in VERBS if (v.magic if surface == "magic" else v.cli)]
+    shown = [v for v in VERBS if v.on(surface)]
     heads = [f"{prefix} {v.name} {v.args}".rstrip() for v in shown]
     width = max(len(h) for h in heads)
     lines = [f"{head:<{width}}  {v.does}" for head, v in zip(heads, shown, strict=True)]
@@ -95,8 +140,8 @@ def help_text(surface: str) -> str:
     return "\n".join(lines)
 
 
-def names(surface: str) -> list[str]:
-    return [v.name for v in VERBS if (v.magic if surface == "magic" else v.cli)]
+def names(surface: Surface) -> list[str]:
+    return [v.name for v in VERBS if v.on(surface)]
 
 
 def runs(log_root: str | None = None, n: int = 20, cluster: str | None = None) -> list[str]:

@@ -178,76 +178,78 @@ class DistributedMagics(Magics):
     @line_magic("distributed")  # type: ignore[arg-type]
     def distributed_line(self, line: str) -> Any:
         """(Set below from the verb table, air_magic/verbs.py.)"""
-        words = line.split()
+        words = line.split(None, 1)
         command = words[0] if words else "status"
-        if command == "status":
-            return _status()
-        if command == "logs":
-            return _logs(words[1:])
-        if command == "settings":
-            gpus = detect_gpus()
-            print(f"accelerators: {describe(gpus)}")
-            print(f"log folder: {paths.default_log_root()}")
-            return None
-        if command == "restart":
-            session.restart_warm_start()
-            print("air_magic: the warm starter was stopped; the next call starts a fresh one")
-            return None
-        if command == "runs":
-            print(
-                "\n".join(verbs.runs(cluster=ray_jobs.cluster_address()))
-                or "air_magic: no call yet in the log folder"
-            )
-            return None
-        if command == "attach":
-            return _attach(words[1:])
-        if command == "stack":
-            return _stack(words[1:])
-        if command == "cancel":
-            return _cancel(words[1:])
-        if command in ("ui", "mlflow-ui"):  # mlflow-ui: its first name
-            return _mlflow_ui()
-        if command == "session":
-            return self._session(line.split(None, 1)[1] if len(words) > 1 else "")
-        if command == "help":
-            print(_HELP)
-            return None
-        raise UsageError(f"%distributed: unknown command {command!r}.\n{_HELP}")
+        handler = verbs.handler(command, "magic")
+        if handler is None:
+            raise UsageError(f"%distributed: unknown command {command!r}.\n{_HELP}")
+        return handler(words[1] if len(words) > 1 else "")
 
-    def _session(self, rest: str) -> Any:
-        """%distributed session start [options] | status | restart | stop"""
-        words = arg_split(rest, posix=True)
-        action = words[0] if words else "status"
-        live = persistent.active()
-        if action == "start":
-            args = self.distributed.parser.parse_args(words[1:])
-            for option in ("push", "pull"):
-                if getattr(args, option, None):
-                    raise UsageError(f"%distributed session start: --{option} is for a cell, not the session")
-            if args.background or args.no_pull:
-                raise UsageError("%distributed session start: --background/--no-pull are for a cell")
-            try:
-                return persistent.Session(_settings(args)).start()
-            except ConfigurationError as exc:
-                raise UsageError(str(exc)) from None
-        if action == "status":
-            shown = live or persistent.last()
-            print(
-                shown.status() if shown is not None else "air_magic: no session (%distributed session start)"
-            )
-            return None
-        if action in ("stop", "restart"):
-            if live is None:
-                last = persistent.last()
-                if action == "stop" or last is None:
-                    print("air_magic: no session is running")
-                    return None
-                return persistent.Session(last.settings, last.name).start()
-            if action == "stop":
-                live.stop()
+
+# The line magic's verbs (verbs.py's table): each takes the rest of the line as typed, which
+# session splits as a shell would (its options' quoted values), the others at whitespace; one
+# that takes no arguments ignores it. Each returns the magic's value.
+
+
+@verbs.handles("settings", "magic")
+def _show_settings(rest: str) -> None:
+    gpus = detect_gpus()
+    print(f"accelerators: {describe(gpus)}")
+    print(f"log folder: {paths.default_log_root()}")
+
+
+@verbs.handles("restart", "magic")
+def _restart(rest: str) -> None:
+    session.restart_warm_start()
+    print("air_magic: the warm starter was stopped; the next call starts a fresh one")
+
+
+@verbs.handles("runs", "magic")
+def _runs(rest: str) -> None:
+    print(
+        "\n".join(verbs.runs(cluster=ray_jobs.cluster_address()))
+        or "air_magic: no call yet in the log folder"
+    )
+
+
+@verbs.handles("help", "magic")
+def _help(rest: str) -> None:
+    print(_HELP)
+
+
+@verbs.handles("session", "magic")
+def _session(rest: str) -> Any:
+    """%distributed session start [options] | status | restart | stop"""
+    words = arg_split(rest, posix=True)
+    action = words[0] if words else "status"
+    live = persistent.active()
+    if action == "start":
+        args = DistributedMagics.distributed.parser.parse_args(words[1:])
+        for option in ("push", "pull"):
+            if getattr(args, option, None):
+                raise UsageError(f"%distributed session start: --{option} is for a cell, not the session")
+        if args.background or args.no_pull:
+            raise UsageError("%distributed session start: --background/--no-pull are for a cell")
+        try:
+            return persistent.Session(_settings(args)).start()
+        except ConfigurationError as exc:
+            raise UsageError(str(exc)) from None
+    if action == "status":
+        shown = live or persistent.last()
+        print(shown.status() if shown is not None else "air_magic: no session (%distributed session start)")
+        return None
+    if action in ("stop", "restart"):
+        if live is None:
+            last = persistent.last()
+            if action == "stop" or last is None:
+                print("air_magic: no session is running")
                 return None
-            return live.restart()
-        raise UsageError(f"%distributed session: unknown command {action!r} (start, status, restart, stop)")
+            return persistent.Session(last.settings, last.name).start()
+        if action == "stop":
+            live.stop()
+            return None
+        return live.restart()
+    raise UsageError(f"%distributed session: unknown command {action!r} (start, status, restart, stop)")
 
 
 def _check_session_options(live: persistent.Session, args: argparse.Namespace) -> None:
@@ -284,7 +286,8 @@ def _settings(args: argparse.Namespace) -> LaunchSettings:
         raise UsageError(str(exc)) from None
 
 
-def _mlflow_ui() -> Any:
+@verbs.handles("ui", "magic")
+def _mlflow_ui(rest: str) -> Any:
     from air_magic.tracking import ui as mlflow_ui
     from air_magic.tracking.mlflow_import import import_mlflow
     from air_magic.tracking.store import current_uri
@@ -317,24 +320,29 @@ def _newest_background() -> background.RunHandle:
         ) from None
 
 
-def _stack(args: list[str]) -> Any:
+@verbs.handles("stack", "magic")
+def _stack(rest: str) -> Any:
     try:
-        run, rank = verbs.split_run_rank(args, "%distributed stack")
+        run, rank = verbs.split_run_rank(rest.split(), "%distributed stack")
         print(verbs.stack_of_run(run, rank) if run is not None else verbs.stack(_newest_background(), rank))
     except ConfigurationError as exc:
         raise UsageError(str(exc)) from None
     return None
 
 
-def _attach(args: list[str]) -> Any:
+@verbs.handles("attach", "magic")
+def _attach(rest: str) -> Any:
+    args = rest.split()
     try:
         return anywhere.attach(args[0] if args else None)
     except ConfigurationError as exc:
         raise UsageError(str(exc)) from None
 
 
-def _cancel(args: list[str]) -> None:
+@verbs.handles("cancel", "magic")
+def _cancel(rest: str) -> None:
     """The newest run this kernel started or follows; another one only when named (RUN)."""
+    args = rest.split()
     if args:
         try:
             handle = anywhere.attach(args[0], display="none")
@@ -363,7 +371,8 @@ def _starting() -> str | None:
     return verbs.starting_line(max(starting, key=lambda h: h.started))
 
 
-def _status() -> None:
+@verbs.handles("status", "magic")
+def _status(rest: str) -> None:
     info = history.last_run()
     starting = _starting()
     if starting is not None:
@@ -384,14 +393,15 @@ def _status() -> None:
         print(f"  {info.tracking}")
 
 
-def _logs(args: list[str]) -> None:
+@verbs.handles("logs", "magic")
+def _logs(rest: str) -> None:
     """This kernel's last call (or RUN): its log folder, or the end of one rank's log."""
     starting = _starting()
     if starting is not None:  # this kernel's newest run has no log folder yet
         print(starting)
         return
     try:
-        run, rank = verbs.split_logs_args(args)
+        run, rank = verbs.split_logs_args(rest.split())
         last = history.last_run()
         if run == "last" and last is None:
             print("air_magic: no run yet in this kernel (%distributed logs RUN shows another's)")

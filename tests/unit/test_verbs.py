@@ -1,4 +1,5 @@
-"""One table of verbs for both surfaces (air_magic/verbs.py): the help of each is made from it."""
+"""One table of verbs for both surfaces (air_magic/verbs.py): the help of each is made from it, and
+each dispatches from it."""
 
 from __future__ import annotations
 
@@ -25,6 +26,28 @@ def test_the_command_line_and_the_magic_take_their_verbs_from_the_table():
     assert list(command.choices) == verbs.names("cli")
     assert verbs.help_text("magic") == magics._HELP
     assert verbs.help_text("magic") in (magics.DistributedMagics.distributed_line.__doc__ or "")
+
+
+@pytest.mark.parametrize("surface", ["cli", "magic"])
+def test_each_surface_handles_exactly_the_verbs_the_table_gives_it(surface):
+    from air_magic import cli  # noqa: F401 - importing a surface registers its handlers
+    from air_magic.notebook import magics  # noqa: F401
+
+    assert sorted(verbs.handlers(surface)) == sorted(verbs.names(surface))
+
+
+def test_a_verb_the_table_lacks_cannot_be_registered_nor_found():
+    for name, surface in (("frobnicate", "cli"), ("status", "cli"), ("run", "magic")):
+        with pytest.raises(ValueError, match=f"no {surface} verb '{name}'"):
+            verbs.handles(name, surface)
+        assert verbs.handler(name, surface) is None
+
+
+def test_the_magic_takes_the_ui_verbs_first_name():
+    from air_magic.notebook import magics  # noqa: F401
+
+    assert verbs.handler("mlflow-ui", "magic") is verbs.handler("ui", "magic") is not None
+    assert verbs.handler("mlflow-ui", "cli") is None
 
 
 @pytest.mark.parametrize(
