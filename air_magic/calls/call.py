@@ -180,10 +180,7 @@ class PreparedCall:
         # run is being created, on TrackedRunOwner's thread) ends it KILLED, never left RUNNING.
         try:
             tracked = run_owner.wait() if run_owner is not None else None
-            record = self.record = tracked.link() if tracked is not None else None
-            for display in displays:
-                if hasattr(display, "set_record"):
-                    display.set_record(record)
+            self.record = tracked.link() if tracked is not None else None
             request = LaunchRequest(
                 name=self.name,
                 payload=self.payload,
@@ -196,11 +193,14 @@ class PreparedCall:
                 run_id=self.run_id,
                 channel=self.channel,
             )
-            wired: list[Consumer] = [RunHistory(record), *displays, *consumers]
+            wired: list[Consumer] = [RunHistory(), *displays, *consumers]
             if tracked is not None:
                 wired.append(tracked)
+            bus = EventBus(wired)
+            if self.record is not None:  # the first event: every consumer knows the run before a rank
+                bus.emit(self.record)
             assert self.backend is not None, f"{self.name} runs elsewhere ({self.runner})"
-            result = self.backend.run(request, EventBus(wired))
+            result = self.backend.run(request, bus)
             outcome = result.outcome
             return result
         except KeyboardInterrupt:

@@ -130,10 +130,11 @@ class CellLoop:
         sender, started = session.sender, session.run_started
         assert sender is not None and started is not None
         self.count = number = self.count + 1
-        displays = make_consumers(display or settings.display, session.record)
-        bus = EventBus([RunHistory(session.record, summary=False), *displays])
-        cell = SessionCell(number, name, bus, session.world_size, displays)
-        bus.emit(session.state_event(number))  # first: the header is made with it
+        bus = EventBus([RunHistory(summary=False), *make_consumers(display or settings.display)])
+        cell = SessionCell(number, name, bus, session.world_size)
+        if session.record is not None:
+            bus.emit(session.record)
+        bus.emit(session.state_event(number))  # then the header is made with it
         bus.emit(dataclasses.replace(started, run_id=f"{session.id}.{number}", name=name))
         for rank, pid in sorted(session.pids.items()):
             bus.emit(RankStarted(rank=rank, pid=pid))

@@ -450,8 +450,6 @@ def follow_run(place: RunPlace, displays: list[Any], on_result: Any, more: Seque
                     pids[event.rank] = event.pid
                 elif isinstance(event, RankExited):
                     pids.pop(event.rank, None)  # its pid may be reused: never signalled again
-                elif isinstance(event, RunStarted):
-                    _show_record(displays, place.state())
                 if isinstance(event, RunFinished):  # shown once the result is read (follow())
                     finished = event
                     break
@@ -522,15 +520,6 @@ def stop_following(handle: RunHandle) -> str:
         f"(%distributed attach {run}, air-magic attach {run}); stop it: .cancel() on that handle "
         f"(air-magic cancel {run})"
     )
-
-
-def _show_record(displays: list[Any], state: dict[str, Any]) -> None:
-    """The MLflow run the supervisor made (named in state.json before the first event) in each display."""
-    if state.get("mlflow_run_id"):
-        record = RecordLink(state["mlflow_run_id"], state.get("mlflow", ""), state.get("mlflow_url"))
-        for display in displays:
-            if hasattr(display, "set_record"):
-                display.set_record(record)
 
 
 def _emit(consumers: list[Any], event: Event) -> None:
@@ -673,7 +662,11 @@ class RunStateWriter:
         self.folder = folder
 
     def handle(self, event: Event) -> None:
-        if isinstance(event, RunStarted):
+        if isinstance(event, RecordLink):  # the call's MLflow run, made before the first rank
+            update_state(
+                self.folder, mlflow=event.description, mlflow_url=event.url, mlflow_run_id=event.run_id
+            )
+        elif isinstance(event, RunStarted):
             update_state(self.folder, status=Outcome.RUNNING, log_dir=event.log_dir, run_id=event.run_id)
         elif isinstance(event, RunFinished):
             outcome = Outcome.CANCELLED if event.outcome == Outcome.INTERRUPTED else event.outcome

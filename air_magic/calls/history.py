@@ -46,7 +46,8 @@ _runs: collections.deque[RunInfo] = collections.deque(maxlen=KEEP)
 
 
 class RunHistory:
-    """Records each run's start, rank exits and end; ``record`` is the call's MLflow run, if any."""
+    """Records each run's start, rank exits and end, and its MLflow run (the ``RecordLink`` event
+    before the start; ``record``: one known already, a session's for its cells)."""
 
     def __init__(self, record: RecordLink | None = None, *, summary: bool = True) -> None:
         self._current: RunInfo | None = None
@@ -55,7 +56,9 @@ class RunHistory:
         self._summary = summary
 
     def handle(self, event: Event) -> None:
-        if isinstance(event, RunStarted):
+        if isinstance(event, RecordLink):
+            self._record = event
+        elif isinstance(event, RunStarted):
             self._current = RunInfo(event.run_id, event.name, event.world_size, event.log_dir)
             if self._record is not None:
                 self._current.tracking = self._record.description

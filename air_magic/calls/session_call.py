@@ -146,9 +146,8 @@ class SessionCall:
         self.world_size = prepared.plan.world_size
         self.reset_tails()
         self.state = SessionStatus.STARTING
-        displays = prepared.displays()
         start = SessionCell(
-            0, f"{self.name} {self.id} (start)", EventBus(displays), self.world_size, displays
+            0, f"{self.name} {self.id} (start)", EventBus(prepared.displays()), self.world_size
         )
         assert self.cells is not None
         self.cells.current = start
@@ -307,12 +306,11 @@ class SessionCall:
     def handle(self, event: Event) -> None:
         """A consumer of the session call's events."""
         current = self.cells.current if self.cells is not None else None
-        if isinstance(event, RunStarted):
+        if isinstance(event, RecordLink):  # the session's MLflow run: its cells' displays show it
+            self.record = event
+        elif isinstance(event, RunStarted):
             self.run_started = event
             self.log_dir = event.log_dir
-            self.record = self.prepared.record if self.prepared is not None else None
-            if current is not None:
-                current.show_record(self.record)
         elif isinstance(event, RankStarted):
             self.pids[event.rank] = event.pid
         elif isinstance(event, RankOutput):

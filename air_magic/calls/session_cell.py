@@ -29,7 +29,6 @@ class SessionCell:
     name: str
     bus: EventBus
     world_size: int
-    displays: list[Any] = field(default_factory=list)  # those that show the tracked run's link
     started: float = field(default_factory=time.monotonic)
     answers: dict[int, bool] = field(default_factory=dict)  # rank -> it ran the cell without error
     first_error_at: float | None = None
@@ -37,12 +36,6 @@ class SessionCell:
     records: dict[int, Any] = field(default_factory=dict)  # rank -> its ErrorRecord (None: unreadable)
     results: dict[int, bytes] = field(default_factory=dict)  # rank -> its pickled value
     logged: bool = False  # its MLflow step is queued (at its end, or as the session ended under it)
-
-    def show_record(self, record: Any) -> None:
-        """The tracked run's link, to the displays that show it."""
-        for display in self.displays:
-            if hasattr(display, "set_record"):
-                display.set_record(record)
 
     def everyone_answered(self) -> bool:
         return len(self.answers) == self.world_size

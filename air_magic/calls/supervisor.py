@@ -70,7 +70,7 @@ from air_magic.launch import result_text  # noqa: E402
 from air_magic.launch.request import RunResult  # noqa: E402
 from air_magic.launch.settings import LaunchSettings, make_settings  # noqa: E402
 from air_magic.protocol import event_log, serialization, wire  # noqa: E402
-from air_magic.protocol.events import Consumer, RunStarted  # noqa: E402
+from air_magic.protocol.events import Consumer  # noqa: E402
 from air_magic.tracking import run as tracking  # noqa: E402
 
 # The supervisor's exit status says how the call ended: a Ray job's status follows it (FAILED
@@ -170,7 +170,6 @@ def _supervise(
     )
     # State first, events last: whoever reads an event finds the state (the MLflow run) it implies.
     consumers: list[Consumer] = [
-        _RecordInState(folder, run_owner),
         detached.RunStateWriter(folder),
         event_log.EventLogWriter(folder),
     ]
@@ -204,23 +203,6 @@ def _kept_as_text(result: RunResult, exc: Exception) -> RunResult:
     )
     kept.__cause__ = cause
     return RunResult(result.run_id, result.log_dir, result.outcome, error=kept)
-
-
-class _RecordInState:
-    """Puts the call's MLflow run (which exists before the first event) in state.json for attaches."""
-
-    def __init__(self, folder: str, run_owner: tracking.TrackedRunOwner | None) -> None:
-        self._folder = folder
-        self._run_owner = run_owner
-
-    def handle(self, event: Any) -> None:
-        if isinstance(event, RunStarted) and self._run_owner is not None:
-            tracked = self._run_owner.tracked
-            if tracked is not None:  # it exists: PreparedCall.run waited for it before the ranks
-                link = tracked.link()
-                detached.update_state(
-                    self._folder, mlflow=link.description, mlflow_url=link.url, mlflow_run_id=link.run_id
-                )
 
 
 def _write_result(folder: str, result: RunResult, text: bool = False) -> None:

@@ -77,6 +77,8 @@ class TextDisplay:
     def handle(self, event: Event) -> None:
         if isinstance(event, RankOutput):
             self._output(event)
+        elif isinstance(event, RecordLink):
+            self.set_record(event)
         elif isinstance(event, RunStarted):
             self._width = len(str(event.world_size - 1))
             self._started(event)

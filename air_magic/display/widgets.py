@@ -156,6 +156,9 @@ class WidgetDisplay:
             self._handle_event(event)
 
     def _handle_event(self, event: Event) -> None:
+        if isinstance(event, RecordLink):  # before the ranks start: the header shows it
+            self.set_record(event)
+            return
         if isinstance(event, SessionState):  # shown with the next update (or in the header made next)
             self._session = event
             return

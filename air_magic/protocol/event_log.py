@@ -11,7 +11,7 @@ The log is written in parts, so that a follower never replays an unbounded file
 (a follower of a Ray job reads them over HTTP): ``events.jsonl``, then
 ``events.1.jsonl``, ``events.2.jsonl``... Once a part holds ``PART_BYTES``, the
 writer ends it with a ``NextPart`` line and starts the next with a snapshot of
-the ranks (the ``RunStarted`` event, every ``RankStarted`` and ``RankExited``
+the ranks (the ``RecordLink`` and ``RunStarted`` events, every ``RankStarted`` and ``RankExited``
 so far) before the new events. A follower starts at a recent part: the
 snapshot gives it every rank's state, the part the latest output (the ranks'
 whole output is in their log files). A follower starts one part before the newest
@@ -35,13 +35,14 @@ from air_magic.protocol.events import (
     RankOutput,
     RankStarted,
     RankState,
+    RecordLink,
     RunFinished,
     RunStarted,
     Tick,
 )
 
 _KINDS: dict[str, type[Any]] = {
-    cls.__name__: cls for cls in (RunStarted, RankStarted, RankOutput, RankExited, RunFinished)
+    cls.__name__: cls for cls in (RecordLink, RunStarted, RankStarted, RankOutput, RankExited, RunFinished)
 }
 FLUSH_S = 0.2  # rank output reaches the file (and a follower) at most this late
 PART_BYTES = 8 * 2**20  # what a follower replays at most, beyond the ranks' snapshot
@@ -104,6 +105,8 @@ def _next_part_of(line: str) -> int | None:
 
 
 def _snapshot_key(event: Event) -> Any:
+    if isinstance(event, RecordLink):
+        return "record"
     if isinstance(event, RunStarted):
         return "run"
     if isinstance(event, (RankStarted, RankExited)):

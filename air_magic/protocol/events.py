@@ -5,9 +5,10 @@ A backend (``backends/``) *produces* events; consumers (``display/``,
 processes. A consumer that raises is detached with one warning, so a display
 bug can never hang or break a call.
 
-The call's record (its MLflow run) is not an event: the session learns it from
-tracking before the ranks start and hands it to the displays that show it
-(:class:`RecordLink`), so backends know nothing of MLflow.
+The call's record (its MLflow run) is an event too, :class:`RecordLink`, put on the
+bus by the call layer (``calls/call.PreparedCall.run``) once tracking made the run
+and before any rank starts: displays show the link, history keeps it, a detached
+run's event log replays it to whoever attaches. Backends know nothing of MLflow.
 """
 
 from __future__ import annotations
@@ -116,7 +117,8 @@ class RunFinished:
 
 @dataclass(frozen=True)
 class RecordLink:
-    """Where the call is recorded (its MLflow run), as displays show it."""
+    """Where the call is recorded (its MLflow run), as displays show it: an event, the first of a
+    tracked call's (before its RunStarted)."""
 
     run_id: str  # the MLflow run's id
     description: str  # what and where the run is, in words
@@ -140,7 +142,7 @@ class SessionState:
         return f"session {self.session_id}, cell {self.cells}; {held}"
 
 
-Event = RunStarted | RankStarted | RankOutput | RankExited | Tick | RunFinished | SessionState
+Event = RunStarted | RankStarted | RankOutput | RankExited | Tick | RunFinished | SessionState | RecordLink
 
 
 class Consumer(Protocol):

@@ -12,13 +12,17 @@ from air_magic.protocol.events import (
     RankOutput,
     RankStarted,
     RankState,
+    RecordLink,
     RunFinished,
     RunStarted,
 )
 
+LINK = RecordLink("abc123", "MLflow run abc123 in experiment train", "http://127.0.0.1:5000/#/runs/abc123")
+
 
 def _write(folder, part_bytes: int) -> list:
     events = [
+        LINK,
         RunStarted("r1", 2, "local", "cpu", True, str(folder), "train"),
         RankStarted(0, 100),
         RankStarted(1, 101),
@@ -53,7 +57,8 @@ def test_a_follower_from_the_first_part_sees_every_event_once(tmp_path):
 def test_a_new_follower_gets_every_rank_state_and_the_latest_output(tmp_path):
     events = _write(tmp_path, part_bytes=2000)
     got = _follow(tmp_path, event_log.replay_from(os.listdir(tmp_path)))
-    assert got[:3] == events[:3]  # the run and both ranks, from the part's snapshot
+    assert got[:4] == events[:4]  # the MLflow run, the run and both ranks, from the part's snapshot
+    assert got[0] == LINK  # a follower that attaches late still shows the link
     assert RankExited(1, RankState.SUCCEEDED, 0, "") in got
     outputs = [e for e in got if isinstance(e, RankOutput)]
     assert 0 < len(outputs) < 250 and outputs[-1] == RankOutput(0, "stdout", "more 49\n")
