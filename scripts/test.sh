@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One command from a fresh machine: set up, lint, type-check and run every test.
 # Extra arguments go to pytest (e.g. scripts/test.sh -k failures, scripts/test.sh tests/kernel).
-# --fast: the same set-up and checks, then only the unit tier (tests/unit: well under a minute).
+# --fast: the same set-up and checks, then only the unit tier (tests/unit and the contract suite's scripted row: well under a minute).
 # The full run is two pytest runs (docs/testing.md): every test not marked serial on
 # $AIR_MAGIC_TEST_WORKERS pytest-xdist workers (default 2), then the serial ones alone.
 set -euo pipefail
@@ -28,7 +28,7 @@ fi
 echo "== ruff";   "$venv/bin/ruff" check . && "$venv/bin/ruff" format --check .
 echo "== mypy";   "$venv/bin/mypy"
 if [ "$fast" = 1 ]; then
-    echo "== pytest (fast: the unit tier)"; "$venv/bin/python" -m pytest tests/unit ${args[@]+"${args[@]}"}
+    echo "== pytest (fast: the unit tier)"; "$venv/bin/python" -m pytest -m unit tests/unit tests/contract ${args[@]+"${args[@]}"}
     exit
 fi
 # A -m EXPR of the caller's narrows both parts (pytest keeps only the last -m it is given).

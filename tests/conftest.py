@@ -35,6 +35,7 @@ _DONT_WRITE_BYTECODE = sys.dont_write_bytecode
 sys.dont_write_bytecode = False
 
 pytest.register_assert_rewrite("helpers")  # their asserts say what they compared, as a test's do
+from helpers.no_process import NO_PROCESS, refuse_process_starts  # noqa: E402
 from helpers.paths import TESTS  # noqa: E402
 from helpers.procs import leftover_processes, rays_own, reap_zombies  # noqa: E402
 
@@ -171,14 +172,26 @@ _SESSION_ENV = (
 )
 
 
-@pytest.fixture(autouse=True)
-def _no_warm_starter_in_unit_tests(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
-    """A unit test starts no process (``no_leftovers`` fails one that leaves any), not even the warm
-    starter that ``%load_ext`` and ``.distributed()`` would start: it is turned off for them."""
-    if tier_of(request.node) == "unit":
-        from air_magic.protocol import env_names
+def starts_no_process(item: pytest.Item) -> bool:
+    """Marked unit: a test of tests/unit, or one of the contract suite's scripted row."""
+    return item.get_closest_marker("unit") is not None
 
-        monkeypatch.setenv(env_names.WARM, "0")
+
+@pytest.fixture(autouse=True)
+def _unit_tests_start_no_process(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+    """A unit test starts no process: each way to start one raises (helpers/no_process.py), and a
+    test that swallowed the error fails at its end all the same. Not even the warm starter that
+    ``%load_ext`` and ``.distributed()`` would start: it is turned off for them."""
+    if not starts_no_process(request.node):
+        yield None
+        return
+    from air_magic.protocol import env_names
+
+    monkeypatch.setenv(env_names.WARM, "0")
+    tried = refuse_process_starts(monkeypatch)
+    yield tried  # what the test tried (tests/unit/test_no_process.py checks, then clears it)
+    if tried:
+        pytest.fail(f"{NO_PROCESS}; it tried: {', '.join(tried)}", pytrace=False)
 
 
 @pytest.fixture(autouse=True)

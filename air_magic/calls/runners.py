@@ -35,9 +35,21 @@ from air_magic.protocol.events import Consumer
 
 if TYPE_CHECKING:
     from air_magic.calls.background import RunHandle
-    from air_magic.calls.call import PreparedCall
 
 OnResult = Callable[[RunResult], Any] | None
+
+
+class PreparedCall(Protocol):
+    """What a runner uses of ``calls/call.PreparedCall`` (named here: call.py imports this module)."""
+
+    name: str
+    settings: LaunchSettings
+
+    def displays(self) -> list[Consumer]: ...
+
+    def abandon(self) -> None: ...
+
+    def run(self, displays: Sequence[Consumer], consumers: Sequence[Consumer] = ()) -> RunResult: ...
 
 
 def outlives_caller(settings: LaunchSettings) -> bool:

@@ -9,7 +9,11 @@ the error, the events, the log folder, and that nothing is left behind (the
 Backends today: ``local-fresh`` (a fresh interpreter per rank), ``local-warm``
 (ranks forked from the warm starter), ``ray-warm`` (ranks forked by an agent on
 each node of a real 3-node Ray cluster, conftest.ray_cluster) and ``ray-fresh``
-(fresh interpreters started by those agents).
+(fresh interpreters started by those agents). And ``scripted``
+(``backends/scripted.py``): no process, each rank plays the script of what the
+rank function would do (:data:`SCRIPTS`), through the real call loop and ledger;
+it runs the tests a script can express, marked ``unit`` (no process may start,
+and it takes the unit tier's milliseconds), and skips those about real processes.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from helpers.recording import Recorder, Recording
 
 from air_magic.backends.base import Backend
 from air_magic.backends.local.backend import LocalBackend
+from air_magic.backends.scripted import FIRST_PID, Rank, ScriptedBackend
 from air_magic.calls.call import run_call
 from air_magic.calls.history import last_run
 from air_magic.errors import DistributedTimeoutError, LaunchError, RankFailedError
@@ -50,11 +55,21 @@ BACKENDS = {
     # node's agent from its warm starter, or fresh interpreters started by the agent.
     "ray-warm": lambda: _ray(True),
     "ray-fresh": lambda: _ray(False),
+    # No process: each rank plays what the rank function would do (SCRIPTS, below).
+    "scripted": lambda: ScriptedBackend(lambda request: SCRIPTS[request.name](request.plan.world_size)),
 }
 
 
-# The Ray backends' cases run on the session's Ray cluster: conftest marks them `ray`.
-PARAMS = sorted(BACKENDS)
+# The Ray backends' cases run on the session's Ray cluster: conftest marks them `ray`. The scripted
+# row starts no process: marked unit, it runs under the unit tier's rule (conftest refuses a start).
+PARAMS = [
+    pytest.param(name, marks=pytest.mark.unit) if name == "scripted" else name for name in sorted(BACKENDS)
+]
+
+
+def real_processes_only(backend: Backend, why: str) -> None:
+    if isinstance(backend, ScriptedBackend):
+        pytest.skip(f"about real processes ({why}): a script has none")
 
 
 @pytest.fixture(params=PARAMS)
@@ -170,6 +185,42 @@ def writes_run_dir():
     return os.environ["AIR_MAGIC_RUN_DIR"], os.environ["AIR_MAGIC_LOG_DIR"]
 
 
+# -- what each rank function does, as the scripted backend plays it (by the call's name) -------
+
+_GLOO_CLOSED = "[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4242"
+
+
+def _each(world: int, rank_1: Rank, others: Rank) -> list[Rank]:
+    return [rank_1 if rank == 1 else others for rank in range(world)]
+
+
+SCRIPTS = {
+    # whoami(10) where the values are checked, whoami(1) elsewhere (only its outcome is)
+    "whoami": lambda world: [Rank(returns=(r * 10, world, FIRST_PID + r)) for r in range(world)],
+    "rank_one_raises": lambda world: _each(
+        world, Rank(raises=TrainingDiverged("loss nan at step 7")), Rank(hangs=True)
+    ),
+    "rank_one_is_killed": lambda world: _each(
+        world, Rank(prints=["about to be killed"], killed_by=signal.SIGKILL), Rank(hangs=True)
+    ),
+    "killed_inside_a_collective": lambda world: _each(
+        world,
+        Rank(prints=["rank 1 dies now"], killed_by=signal.SIGKILL, at=0.1),
+        Rank(raises=RuntimeError(_GLOO_CLOSED), at=0.05),  # stamped first: a peer's, all the same
+    ),
+    "raises_while_the_others_wait_in_a_collective": lambda world: _each(
+        world,
+        Rank(raises=TrainingDiverged("loss nan before the second all_reduce"), at=0.1),
+        Rank(raises=RuntimeError(_GLOO_CLOSED), at=0.2),
+    ),
+    "rank_one_exits_0": lambda world: _each(world, Rank(exits=0), Rank(hangs=True)),
+    "prints_then_hangs": lambda world: [
+        Rank(prints=[f"rank {r} step 41", f"rank {r} step 42"], hangs=True) for r in range(world)
+    ],
+    "sleeps": lambda world: [Rank(hangs=True)] * world,
+}
+
+
 # -- the contract --------------------------------------------------------------------------
 
 
@@ -241,19 +292,28 @@ def test_timeout_stops_every_rank_and_shows_their_last_lines(backend):
         # The pool's agents (and their starters) are up first: the 4 s are the ranks' own, not a
         # busy machine's time to reach three Ray actors (the start-timeout case has its own text).
         call(backend, whoami, 1).unwrap()
+    timeout = 0.5 if isinstance(backend, ScriptedBackend) else 4  # no rank to start: the unit tier's time
     with pytest.raises(DistributedTimeoutError) as caught:
-        call(backend, prints_then_hangs, timeout=4).unwrap()
+        call(backend, prints_then_hangs, timeout=timeout).unwrap()
     message = str(caught.value)
-    assert "timed out after 4 s" in message
+    assert f"timed out after {timeout:g} s" in message
     assert "rank 0 step 42" in message and "rank 1 step 42" in message
     assert sorted(caught.value.still_running) == [0, 1]
     assert last_run().outcome == "timeout"
 
 
-def _when_ready(ready_dir: str, n: int, action) -> threading.Thread:
+def _when_ready(backend: Backend, ready_dir: str, n: int, action) -> threading.Thread:
+    """``action`` once ``n`` ranks of ``sleeps`` are in it (its marks in ``ready_dir``; a scripted
+    backend's ranks are, as soon as they run)."""
+
+    def ready() -> bool:
+        if isinstance(backend, ScriptedBackend):
+            return len(backend.running()) >= n
+        return len(os.listdir(ready_dir)) >= n
+
     def wait_then_act() -> None:
         deadline = time.monotonic() + 60
-        while len(os.listdir(ready_dir)) < n and time.monotonic() < deadline:
+        while not ready() and time.monotonic() < deadline:
             time.sleep(0.02)
         action()
 
@@ -269,7 +329,7 @@ def test_an_interrupt_stops_every_rank_and_is_raised(backend, tmp_path):
     main = threading.main_thread().ident
     assert main == threading.get_ident()
     try:
-        _when_ready(str(ready), 2, lambda: signal.pthread_kill(main, signal.SIGINT))
+        _when_ready(backend, str(ready), 2, lambda: signal.pthread_kill(main, signal.SIGINT))
         started = time.monotonic()
         with pytest.raises(KeyboardInterrupt):
             call(backend, sleeps, str(ready))
@@ -283,7 +343,7 @@ def test_an_interrupt_stops_every_rank_and_is_raised(backend, tmp_path):
 def test_stop_from_another_thread_ends_the_call(backend, tmp_path):
     ready = tmp_path / "ready"
     ready.mkdir()
-    _when_ready(str(ready), 2, backend.stop)
+    _when_ready(backend, str(ready), 2, backend.stop)
     result = call(backend, sleeps, str(ready))
     assert result.outcome == "interrupted"
     with pytest.raises(LaunchError, match="was stopped"):
@@ -293,6 +353,7 @@ def test_stop_from_another_thread_ends_the_call(backend, tmp_path):
 
 
 def test_output_is_captured_in_order_per_rank_and_stream(backend):
+    real_processes_only(backend, "what a real rank writes to its pipes and its fd 1")
     recorder = Recorder()
     call(backend, prints_in_order, 300, recorder=recorder).unwrap()
     for rank in (0, 1):
@@ -318,6 +379,7 @@ class SlowOnFirstOutput(Recorder):
 def test_a_ranks_output_all_comes_before_its_exit(backend):
     # A display ends a rank's unfinished line at its exit: output read after the exit
     # would be shown as a line of its own.
+    real_processes_only(backend, "a real rank's pipes, read while it exits")
     recorder = SlowOnFirstOutput()
     call(backend, ends_a_line_then_returns, recorder=recorder).unwrap()
     for rank in (0, 1):
@@ -327,6 +389,7 @@ def test_a_ranks_output_all_comes_before_its_exit(backend):
 
 
 def test_folders_are_private_and_the_call_folder_is_gone(backend):
+    real_processes_only(backend, "a rank's environment and its call folder")
     (call_dir, log_dir), _ = call(backend, writes_run_dir).unwrap()
     assert not os.path.exists(call_dir)  # removed after the call: the arguments were in it
     if backend.name.startswith("local"):  # a Ray node's call folder is in that node's temp folder

@@ -1,12 +1,12 @@
-"""The one outcome rule, driven by scripted facts: a fake backend, no process started.
+"""The one outcome rule, driven by scripted ranks: the public fake backend, no process started.
 
 ``launch/ledger.py`` decides how each rank ended and what the call's outcome is,
 ``launch/failures.root_cause_order`` which failure is the root cause, and
-``backends/call_loop.CallLoop`` is the template every backend runs. Here a
-:class:`ScriptedCall` replays node facts (``protocol/node_events.py``) through
-that template as a backend's rank groups would report them, so each rule is
-checked in milliseconds; the real processes check the same rules in the
-contract suite (tests/contract/test_backend_contract.py).
+``backends/call_loop.CallLoop`` is the template every backend runs. Here
+``backends/scripted.ScriptedBackend`` plays each rank's script through that
+template as a backend's rank groups would report it, so each rule is checked in
+milliseconds; the real processes check the same rules in the contract suite
+(tests/contract/test_backend_contract.py, where the scripted backend is a row too).
 """
 
 from __future__ import annotations
@@ -18,15 +18,16 @@ import time
 import pytest
 from helpers.recording import Recorder
 
-from air_magic.backends.call_loop import GRACE_S, CallLoop
+from air_magic.backends.call_loop import GRACE_S
+from air_magic.backends.scripted import Rank, ScriptedBackend
 from air_magic.errors import DistributedTimeoutError, PayloadError, RankFailedError
 from air_magic.launch.accelerators import AcceleratorPlan
 from air_magic.launch.failures import RankFailure, root_cause_order
 from air_magic.launch.ledger import CallLedger, RankRecord, classify_exit, timeout_error
-from air_magic.launch.request import LaunchRequest, StopRequest
+from air_magic.launch.request import LaunchRequest, RunResult
 from air_magic.protocol import serialization
-from air_magic.protocol.events import EventBus, RankState, RunFinished
-from air_magic.protocol.node_events import Exited, GroupDone, NodeLost, Output, Raised, Returned
+from air_magic.protocol.events import EventBus, RankStarted, RankState, RunFinished
+from air_magic.protocol.node_events import Exited, GroupDone, NodeLost
 from air_magic.protocol.wire import ErrorRecord
 
 
@@ -46,6 +47,21 @@ def _logs_in(tmp_path):
     _log_root = str(tmp_path)
     yield
     _log_root = None
+
+
+class Played:
+    """One scripted call: its result, its events, the backend (its stops)."""
+
+    def __init__(self, *ranks: Rank, nodes: list[int] | None = None, consumers=(), **kw):
+        self.backend = ScriptedBackend(list(ranks), nodes=nodes)
+        self.recorder = Recorder()
+        bus = EventBus([self.recorder, *(c(self.backend) for c in consumers)])
+        self.result: RunResult = self.backend.run(request(len(ranks), **kw), bus)
+
+    @property
+    def failed_rank(self) -> int | None:
+        (finished,) = self.recorder.of(RunFinished)
+        return finished.failed_rank
 
 
 def record(rank: int, when: float, exc: BaseException) -> bytes:
@@ -71,90 +87,42 @@ def exited(rank: int, code: int | None, when: float, **kw) -> Exited:
     return Exited(rank, code, when, **kw)
 
 
-class ScriptedCall(CallLoop):
-    """A fake backend: each node's facts come from a script; stop() answers with the stopped exits."""
-
-    def __init__(self, req: LaunchRequest, script: list[tuple[int, object]], *, per_node=None, **kw):
-        self.recorder = Recorder()
-        per_node = per_node or [req.plan.world_size]
-        super().__init__(
-            req,
-            EventBus([self.recorder]),
-            stop_requested=kw.pop("stop_requested", StopRequest()),
-            ranks_per_node=per_node,
-            node_names=[f"node {i}" for i in range(len(per_node))],
-        )
-        self.script = list(script)
-        self.seen_in_teardown = kw.pop("seen_in_teardown", {})  # rank -> exit code seen after it began
-        self.stops: list[tuple[float, int]] = []
-        self.teardown_at: float | None = None
-
-    def start(self) -> bool:
-        for rank in range(self.world):
-            self.ledger.started(rank, 1000 + rank)
-        return True
-
-    def pump(self, wait_s: float) -> None:
-        if self.script:
-            node, fact = self.script.pop(0)
-            self.ledger.take(node, fact)
-        else:
-            time.sleep(min(wait_s, 0.01))
-
-    def stop(self, grace_s: float, signum: int = signal.SIGTERM) -> None:
-        """Facts already on their way arrive first (as a backend's settle and drain take them in);
-        the ranks still running then exit stopped."""
-        if self.ledger.all_exited() or all(r.pid is None for r in self.ledger.records):
-            return
-        while self.script:
-            self.ledger.take(*self.script.pop(0))
-        self.ledger.begin_teardown()
-        self.stops.append((grace_s, signum))
-        self.teardown_at = now = time.monotonic()
-        for r in self.ledger.records:
-            if not r.exited:
-                code = self.seen_in_teardown.get(r.rank, -signal.SIGTERM)
-                when = {"teardown_at": now, "sigkill_from": now + grace_s}
-                self.ledger.take(r.node, exited(r.rank, code, now + 0.01, **when))
-
-    def stacks(self) -> dict[int, str]:
-        return {r: f"stack of rank {r}" for r in self.ledger.running()}
-
-
 class DivergedError(ValueError):
     pass
 
 
+def _refuse_to_load():
+    raise RuntimeError("this value loads only in the rank")
+
+
+class LoadsOnlyInTheRank:
+    def __reduce__(self):
+        return (_refuse_to_load, ())
+
+
 def test_every_rank_returning_gives_the_values_in_rank_order():
-    script = [
-        (0, Output(1, "stdout", b"hello\n")),
-        (0, exited(1, 0, 1.0, result=serialization.dumps("one"))),
-        (0, exited(0, 0, 1.1, result=serialization.dumps("zero"))),
-    ]
-    call = ScriptedCall(request(), script)
-    result = call.execute()
-    assert (result.outcome, result.values) == ("succeeded", ["zero", "one"])
+    call = Played(Rank(returns="zero", at=1.1), Rank(prints=["hello"], returns="one", at=1.0))
+    assert (call.result.outcome, call.result.values) == ("succeeded", ["zero", "one"])
     assert call.recorder.exits() == {
         0: (RankState.SUCCEEDED, "returned"),
         1: (RankState.SUCCEEDED, "returned"),
     }
-    assert call.stops == [] and isinstance(call.recorder.events[-1], RunFinished)
+    assert list(call.recorder.exits()) == [1, 0]  # in the order they ended
+    assert call.backend.stops == [] and isinstance(call.recorder.events[-1], RunFinished)
 
 
 def test_a_result_that_cannot_load_fails_the_call():
-    script = [(0, exited(r, 0, 1.0, result=b"not a pickle")) for r in (0, 1)]
-    result = ScriptedCall(request(), script).execute()
+    result = Played(Rank(returns=LoadsOnlyInTheRank()), Rank(returns=LoadsOnlyInTheRank())).result
     assert result.outcome == "failed" and isinstance(result.error, PayloadError)
     assert "rank 0's return value could not be loaded" in str(result.error)
 
 
 def test_a_rank_raising_is_the_root_cause_and_the_others_are_stopped():
-    script = [(0, Raised(1, record(1, 5.0, DivergedError("nan")))), (0, exited(1, 1, 5.1))]
-    call = ScriptedCall(request(), script)
-    result = call.execute()
+    call = Played(Rank(hangs=True), Rank(raises=DivergedError("nan"), at=5.0))
+    result = call.result
     assert result.outcome == "failed" and isinstance(result.error, DivergedError)
-    assert result.error.air_magic_rank == 1 and call.ledger.failed_rank == 1
-    assert call.stops == [(GRACE_S, signal.SIGTERM)]
+    assert result.error.air_magic_rank == 1 and call.failed_rank == 1
+    assert call.backend.stops == [(GRACE_S, signal.SIGTERM)]
     assert call.recorder.exits() == {
         1: (RankState.FAILED, "raised an exception"),
         0: (RankState.KILLED, "stopped by air_magic"),
@@ -165,11 +133,7 @@ def test_a_collateral_error_stamped_first_is_not_the_root_cause():
     # Rank 0's gloo error is stamped before rank 1's own (another node's clock ran ahead):
     # the rank's own failure still comes first.
     gloo = RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.2]:4242")
-    script = [
-        (0, exited(0, 1, 1.0, error=record(0, 1.0, gloo))),
-        (0, exited(1, 1, 2.0, error=record(1, 2.0, DivergedError("nan")))),
-    ]
-    result = ScriptedCall(request(), script).execute()
+    result = Played(Rank(raises=gloo, at=1.0), Rank(raises=DivergedError("nan"), at=2.0)).result
     assert isinstance(result.error, DivergedError)
     assert [f[0] for f in result.error.air_magic_failures] == [1, 0]
 
@@ -178,10 +142,11 @@ def test_a_rank_sigkilled_but_seen_dead_only_in_the_teardown_is_the_root_cause()
     # Rank 1 was SIGKILLed; its peer's "connection reset" came in first, and its death was seen
     # only after the teardown began (a busy machine), before its grace was over: not our SIGKILL.
     reset = RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer")
-    script = [(0, Raised(2, record(2, 5.0, reset))), (0, exited(2, 1, 5.1, error=record(2, 5.0, reset)))]
-    call = ScriptedCall(request(3), script, seen_in_teardown={1: -signal.SIGKILL})
-    result = call.execute()
-    assert isinstance(result.error, RankFailedError) and call.ledger.failed_rank == 1, result.error
+    call = Played(
+        Rank(hangs=True), Rank(killed_by=signal.SIGKILL, seen_late=True), Rank(raises=reset, at=5.0)
+    )
+    result = call.result
+    assert isinstance(result.error, RankFailedError) and call.failed_rank == 1, result.error
     assert "killed by SIGKILL" in str(result.error)
     assert call.recorder.exits() == {
         2: (RankState.FAILED, "raised an exception"),
@@ -247,19 +212,18 @@ def test_exits_after_the_teardown_are_classified_by_their_record():
 def test_a_reported_error_fails_the_call_while_the_rank_is_still_exiting():
     # The rank wrote its error record but its interpreter waits for a thread: after
     # REPORTED_EXIT_S the call fails anyway, and the rank counts as failed.
-    script = [(0, Raised(0, record(0, time.monotonic(), DivergedError("late"))))]
-    call = ScriptedCall(request(), script)
     started = time.monotonic()
-    result = call.execute()
+    call = Played(Rank(raises=DivergedError("late"), stuck_exiting=True), Rank(hangs=True))
+    result = call.result
     assert 0.9 < time.monotonic() - started < 10
     assert isinstance(result.error, DivergedError)
     assert call.recorder.exits()[0] == (RankState.FAILED, "raised an exception")
 
 
 def test_the_timeout_names_each_running_rank_its_last_lines_and_its_stack():
-    script = [(0, Output(0, "stdout", b"step 41\nstep 42\n")), (0, Returned(1))]
-    call = ScriptedCall(request(timeout=0.3), script)
-    result = call.execute()
+    result = Played(
+        Rank(prints=["step 41", "step 42"], hangs=True), Rank(stuck_exiting=True), timeout=0.3
+    ).result
     assert result.outcome == "timeout" and isinstance(result.error, DistributedTimeoutError)
     text = str(result.error)
     assert "timed out after 0.3 s (timeout=0.3); every rank was stopped." in text
@@ -270,22 +234,24 @@ def test_the_timeout_names_each_running_rank_its_last_lines_and_its_stack():
 
 
 def test_a_stop_asks_with_the_calls_grace_and_signal():
-    stop = StopRequest()
-    stop.ask(7.0, signal.SIGTERM)
-    call = ScriptedCall(request(stop_grace=30.0), [], stop_requested=stop)
-    result = call.execute()
+    backend = ScriptedBackend([Rank(hangs=True), Rank(hangs=True)])
+    backend.stop(7.0, signal.SIGTERM)  # before the call started (and after its prepare())
+    result = backend.run(request(stop_grace=30.0), EventBus([]))
     assert result.outcome == "interrupted" and "was stopped before it finished" in str(result.error)
-    assert call.stops == []  # stopped before any rank started: none was started
+    assert backend.stops == []  # stopped before any rank started: none was started
 
-    class StoppedWhileRunning(ScriptedCall):
-        def start(self) -> bool:
-            super().start()
-            self.stop_requested.ask(7.0, signal.SIGTERM)  # cancel(grace) from another thread, say
-            return True
+    class StopsOnceStarted(Recorder):  # cancel(grace) from another thread, say
+        def __init__(self, backend: ScriptedBackend):
+            super().__init__()
+            self.backend = backend
 
-    call = StoppedWhileRunning(request(stop_grace=30.0), [])
-    result = call.execute()
-    assert result.outcome == "interrupted" and call.stops == [(7.0, signal.SIGTERM)]
+        def handle(self, event: object) -> None:
+            super().handle(event)
+            if isinstance(event, RankStarted) and event.rank == 1:
+                self.backend.stop(7.0, signal.SIGTERM)
+
+    call = Played(Rank(hangs=True), Rank(hangs=True), consumers=[StopsOnceStarted], stop_grace=30.0)
+    assert call.result.outcome == "interrupted" and call.backend.stops == [(7.0, signal.SIGTERM)]
     assert {state for state, _ in call.recorder.exits().values()} == {RankState.KILLED}
 
 
@@ -295,34 +261,32 @@ def test_a_stop_asks_with_the_calls_grace_and_signal():
 )
 def test_a_rank_failing_among_a_thousand_is_the_root_cause():
     world, failing = 1000, 737
-    script: list[tuple[int, object]] = [
-        (r // 8, Output(r, "stdout", b"step 1 loss 0.5\n" * 10)) for r in range(world)
-    ]
-    script += [
-        (failing // 8, Raised(failing, record(failing, 5.0, DivergedError("nan at step 1")))),
-        (failing // 8, exited(failing, 1, 5.1)),
-    ]
-    call = ScriptedCall(request(world), script, per_node=[8] * 125)
-    result = call.execute()
-    assert isinstance(result.error, DivergedError) and call.ledger.failed_rank == failing
+    ranks = [Rank(prints=["step 1 loss 0.5"] * 10, hangs=True) for _ in range(world)]
+    ranks[failing] = Rank(prints=["step 1 loss 0.5"] * 10, raises=DivergedError("nan at step 1"), at=5.0)
+    call = Played(*ranks, nodes=[8] * 125)
+    result = call.result
+    assert isinstance(result.error, DivergedError) and call.failed_rank == failing
     exits = call.recorder.exits()
     assert exits.pop(failing) == (RankState.FAILED, "raised an exception")
     assert set(exits.values()) == {(RankState.KILLED, "stopped by air_magic")} and len(exits) == world - 1
 
 
 def test_a_lost_node_is_an_own_failure_and_its_ranks_are_named_together():
+    bus = Recorder()
+    nodes = {"ranks_per_node": [1, 2], "node_names": ["node 0", "node 1"], "clocks": [0.0, 0.0]}
+    ledger = CallLedger(request(3), EventBus([bus]), _Router(), "/logs", **nodes)
+    for rank in range(3):
+        ledger.started(rank, 10 + rank)
     gloo = RuntimeError("gloo: Connection closed by peer")
-    script = [
-        (1, NodeLost("its raylet died")),
-        (0, exited(0, 1, time.monotonic() + 5, error=record(0, time.monotonic() + 5, gloo))),
-    ]
-    call = ScriptedCall(request(world=3), script, per_node=[1, 2])
-    result = call.execute()
-    assert isinstance(result.error, RankFailedError) and result.error.rank == 1
-    text = str(result.error)
+    ledger.take(1, NodeLost("its raylet died"))
+    ledger.take(0, exited(0, 1, time.monotonic() + 5, error=record(0, time.monotonic() + 5, gloo)))
+    assert ledger.all_exited() and ledger.failed(time.monotonic())
+    error = ledger.failure_error()
+    assert isinstance(error, RankFailedError) and error.rank == 1
+    text = str(error)
     assert text.startswith("node 1 was lost during the call: its raylet died, and rank(s) 1, 2 with it")
     assert "1 other rank(s) failed after it (collective errors)" in text
-    assert call.recorder.exits()[2] == (RankState.FAILED, "its node or agent was lost")
+    assert bus.exits()[2] == (RankState.FAILED, "its node or agent was lost")
 
 
 def test_a_group_done_with_ranks_unreported_loses_them():
@@ -353,12 +317,19 @@ class _Router:
         return f"/logs/rank_{rank}.log"
 
 
-@pytest.mark.parametrize("code", [-signal.SIGKILL, -signal.SIGSEGV, None])
-def test_a_death_without_a_record_is_named_by_its_signal(code):
-    script = [(0, exited(1, code, 1.0, status_lost=code is None))]
-    result = ScriptedCall(request(), script).execute()
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGSEGV])
+def test_a_death_without_a_record_is_named_by_its_signal(signum):
+    result = Played(Rank(hangs=True), Rank(killed_by=signum)).result
     assert isinstance(result.error, RankFailedError) and result.error.rank == 1
-    if code is None:
-        assert "exit status is unknown" in str(result.error)
-    else:
-        assert signal.Signals(-code).name in str(result.error)
+    assert signal.Signals(signum).name in str(result.error)
+
+
+def test_a_rank_whose_status_died_with_the_warm_starter_is_said_unknown():
+    ledger = CallLedger(request(), EventBus([]), _Router(), "/logs", ranks_per_node=[2])
+    ledger.started(0, 10)
+    ledger.started(1, 11)
+    ledger.take(0, exited(1, None, 1.0, status_lost=True))
+    assert ledger.failed(time.monotonic())
+    error = ledger.failure_error()
+    assert isinstance(error, RankFailedError) and error.rank == 1
+    assert "exit status is unknown" in str(error)

@@ -7,8 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from air_magic.backends.ray import jobs_api
-from air_magic.calls import ray_jobs
-from air_magic.calls import runners
+from air_magic.calls import ray_jobs, runners
 from air_magic.errors import ConfigurationError
 from air_magic.launch.settings import make_settings
 

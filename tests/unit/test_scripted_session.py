@@ -1,0 +1,103 @@
+"""A persistent session's rules with scripted ranks (backends/scripted.py): cells, errors, its end.
+
+The session (calls/persistent.py) is the request's CellChannel; the scripted backend gives it a
+CellSender and answers each cell as ``cells[number][rank]`` says, through the real call loop.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from air_magic.backends.scripted import Rank, ScriptedBackend
+from air_magic.calls.history import last_run
+from air_magic.calls.persistent import Session
+from air_magic.errors import DistributedTimeoutError, SessionEndedError
+from air_magic.launch.settings import make_settings
+
+
+def step(n):
+    """Never runs: the session's cells are scripted."""
+
+
+class Diverged(ValueError):
+    pass
+
+
+@pytest.fixture
+def session_of():
+    """``session_of(backend, **settings)``: a started session on it, stopped at the test's end."""
+    made: list[Session] = []
+
+    def start(backend: ScriptedBackend, **settings) -> Session:
+        settings = {"num_accelerators": 2, "display": "none", "tracking": False, **settings}
+        session = Session(make_settings(**settings), backend=backend)
+        made.append(session)
+        return session.start()
+
+    yield start
+    for session in made:
+        session.stop(quiet=True)
+
+
+def test_each_cell_answers_as_its_script_says(session_of):
+    cells = {1: [Rank(prints=["cell 1 on rank 0"], returns=10), Rank(returns=11)], 3: [Rank(returns="x")] * 2}
+    session = session_of(ScriptedBackend([Rank(), Rank()], cells=cells))
+    assert session.run(step, 1) == [10, 11]
+    assert session.run(step, 2) == [None, None]  # not in the script: every rank returns None
+    assert session.run(step, 3) == ["x", "x"]
+    assert session.alive() and session.cells == 3
+
+
+def test_a_cell_that_raises_comes_back_as_its_own_error_and_the_session_goes_on(session_of):
+    cells = {1: [Rank(returns=0), Rank(raises=Diverged("cell 1 failed"))]}
+    session = session_of(ScriptedBackend([Rank(), Rank()], cells=cells))
+    with pytest.raises(Diverged, match="cell 1 failed") as caught:
+        session.run(step, 1)
+    assert caught.value.air_magic_rank == 1
+    assert last_run().rank_states == {0: "succeeded", 1: "failed"}
+    assert session.alive() and session.run(step, 2) == [None, None]
+
+
+def test_a_failed_cells_peers_still_in_it_are_interrupted(session_of):
+    cells = {1: [Rank(hangs=True), Rank(raises=Diverged("nan"))]}
+    session = session_of(ScriptedBackend([Rank(), Rank()], cells=cells))
+    with pytest.raises(Diverged):
+        session.run(step, 1)
+    assert last_run().rank_states == {1: "failed", 0: "killed"}  # rank 0: "interrupted (SIGINT)"
+    assert session.alive()
+
+
+def test_a_cell_that_times_out_is_interrupted_and_the_session_goes_on(session_of):
+    cells = {1: [Rank(prints=["waiting for rank 1"], hangs=True), Rank(returns=1)]}
+    session = session_of(ScriptedBackend([Rank(), Rank()], cells=cells), timeout=0.3)
+    with pytest.raises(DistributedTimeoutError) as caught:
+        session.run(step, 1)
+    text = str(caught.value)
+    assert text.startswith("step timed out after 0.3 s (timeout=0.3); the cell was interrupted on every rank")
+    assert "rank 0 was still running; its last lines:\n      waiting for rank 1" in text
+    assert caught.value.still_running == [0] and session.alive()
+
+
+def test_a_rank_that_dies_in_a_cell_ends_the_session(session_of):
+    cells = {2: [Rank(killed_by=signal.SIGKILL), Rank(hangs=True)]}
+    backend = ScriptedBackend([Rank(), Rank()], cells=cells)
+    session = session_of(backend)
+    session.run(step, 1)
+    with pytest.raises(SessionEndedError, match="killed by SIGKILL") as caught:
+        session.run(step, 2)
+    assert "Every rank is gone" in str(caught.value)
+    assert not session.alive() and backend.running() == []
+    with pytest.raises(SessionEndedError):
+        session.run(step, 3)
+
+
+def test_a_stopped_session_ends_its_ranks_as_their_own_scripts_say(session_of, capsys):
+    backend = ScriptedBackend([Rank(prints=["rank 0 set up"]), Rank()])
+    session = session_of(backend)
+    session.stop()
+    assert f"session {session.id} stopped; every rank is gone" in capsys.readouterr().out
+    assert not session.alive() and backend.stops == []  # each rank left its loop: none was stopped
+    with open(last_run().log_path(0)) as f:
+        assert f.read() == "rank 0 set up\n"  # said as it started, before it answered ready
