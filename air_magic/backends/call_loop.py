@@ -175,7 +175,6 @@ class CallLoop(ABC):
                 finally:
                     self.finish()  # (a second Ctrl-C may land in either: what follows still runs)
             finally:
-                self.ledger.close()
                 self.router.close()
                 discard_rank_files(self.log_dir)  # the ranks are gone: their stack files with them
                 said = None if error is None else f"{type(error).__name__}: {error}"

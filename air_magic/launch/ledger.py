@@ -17,14 +17,12 @@ caller's own readings (when a node was taken for lost).
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from air_magic import private_files
 from air_magic.errors import DistributedTimeoutError, LaunchError, PayloadError
 from air_magic.launch.failures import (
     RankFailure,
@@ -35,8 +33,8 @@ from air_magic.launch.failures import (
 )
 from air_magic.launch.request import LaunchRequest, rank_succeeded
 from air_magic.launch.stacks import timeout_section
-from air_magic.protocol import env_names, serialization, wire
-from air_magic.protocol.events import EventBus, RankExited, RankStarted, RankState
+from air_magic.protocol import serialization
+from air_magic.protocol.events import EventBus, RankExited, RankMetrics, RankStarted, RankState
 from air_magic.protocol.node_events import (
     Answer,
     Exited,
@@ -164,7 +162,6 @@ class CallLedger:
         self.lost_nodes: set[int] = set()
         self.failed_rank: int | None = None
         self.stopping = False
-        self._metric_fds: dict[int, int] = {}
 
     # -- facts in ------------------------------------------------------------------------
 
@@ -186,8 +183,8 @@ class CallLedger:
             self.records[event.rank].returned = True
         elif isinstance(event, Exited):
             self._exited(event)
-        elif isinstance(event, Metrics):
-            self._append_metrics(event.rank, event.data)
+        elif isinstance(event, Metrics):  # another node's: the tracked run keeps them (no file here)
+            self.bus.emit(RankMetrics(event.rank, event.data))
         elif isinstance(event, Answer):
             if self.request.channel is not None:  # a session rank ended a cell
                 self.request.channel.answered(event.rank, event.answer, event.outcome)
@@ -294,23 +291,6 @@ class CallLedger:
         """The call's timeout ran out with ``running`` still in it (their last lines, their stacks)."""
         rows = [(rank, self.router.tails[rank].last(5), self.records[rank].returned) for rank in running]
         return timeout_error(self.request.timeout or 0.0, rows, stacks, self.log_dir)
-
-    def close(self) -> None:
-        for fd in self._metric_fds.values():
-            os.close(fd)
-        self._metric_fds.clear()
-
-    def _append_metrics(self, rank: int, data: bytes) -> None:
-        """A remote rank's metric lines, appended to the caller's copy (tracking reads it there)."""
-        folder = self.request.env.get(env_names.METRICS_DIR)
-        if not folder:
-            return
-        fd = self._metric_fds.get(rank)
-        if fd is None:
-            fd = self._metric_fds[rank] = private_files.open_private(wire.metrics_path(folder, rank))
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
 
 
 def load_record(data: bytes | None) -> Any:

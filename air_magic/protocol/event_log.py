@@ -4,8 +4,9 @@ The supervisor (``calls/supervisor.py``) adds :class:`EventLogWriter` to its
 call's consumers; whoever attaches (``calls/detached.py``, ``calls/ray_jobs.py``)
 reads them with :func:`follow` and hands each event to its own displays: what
 was printed so far, then the stream, through the same consumers a live call
-uses. Every event but ``Tick`` is kept, rank output as it came (carriage returns
-and unfinished lines included), so a replay draws exactly what a live view drew.
+uses. Every event but ``Tick`` and ``RankMetrics`` (the supervisor stores those)
+is kept, rank output as it came (carriage returns and unfinished lines
+included), so a replay draws exactly what a live view drew.
 
 The log is written in parts, so that a follower never replays an unbounded file
 (a follower of a Ray job reads them over HTTP): ``events.jsonl``, then
@@ -32,6 +33,7 @@ from typing import Any, TextIO
 from air_magic.protocol.events import (
     Event,
     RankExited,
+    RankMetrics,
     RankOutput,
     RankStarted,
     RankState,
@@ -133,7 +135,7 @@ class EventLogWriter:
         return os.fdopen(fd, "a", encoding="utf-8")
 
     def handle(self, event: Event) -> None:
-        if not isinstance(event, Tick):
+        if not isinstance(event, (Tick, RankMetrics)):
             key = _snapshot_key(event)
             if key is not None:
                 self._snapshot[key] = event

@@ -126,6 +126,16 @@ class RecordLink:
 
 
 @dataclass(frozen=True)
+class RankMetrics:
+    """New bytes of a rank's metric file (``worker/metrics.py``'s lines), from a node where the
+    caller cannot read that file; the tracked run appends them to its own copy. Not in a detached
+    run's event log: its supervisor's tracked run stores them."""
+
+    rank: int
+    data: bytes
+
+
+@dataclass(frozen=True)
 class SessionState:
     """What a persistent session holds, for the header of each of its cells (SPEC §15).
 
@@ -142,7 +152,17 @@ class SessionState:
         return f"session {self.session_id}, cell {self.cells}; {held}"
 
 
-Event = RunStarted | RankStarted | RankOutput | RankExited | Tick | RunFinished | SessionState | RecordLink
+Event = (
+    RunStarted
+    | RankStarted
+    | RankOutput
+    | RankExited
+    | Tick
+    | RunFinished
+    | SessionState
+    | RecordLink
+    | RankMetrics
+)
 
 
 class Consumer(Protocol):

@@ -1,11 +1,13 @@
 """In the caller: the one writer of the ranks' metrics into the call's MLflow run.
 
 Ranks append each ``mlflow.log_metric`` as a line to their own file
-(worker/metrics.py). A thread here reads the new complete lines of every file
-each :data:`INTERVAL_S` and writes them through the store's sink
-(``tracking/metric_rows.py``: straight into MLflow's tables of a sqlite store,
-else ``MlflowClient.log_batch``); :meth:`MetricWriter.close` does a last pass
-after the ranks are gone, before the run is ended.
+(worker/metrics.py); the lines of a rank on another node come as ``RankMetrics``
+events, appended here to a copy of its file (:meth:`MetricWriter.append`). A
+thread here reads the new complete lines of every file each :data:`INTERVAL_S`
+and writes them through the store's sink (``tracking/metric_rows.py``: straight
+into MLflow's tables of a sqlite store, else ``MlflowClient.log_batch``);
+:meth:`MetricWriter.close` does a last pass after the ranks are gone, before the
+run is ended.
 
 Why one writer in the caller rather than each rank batching for itself:
 
@@ -38,6 +40,7 @@ import warnings
 from typing import Any
 
 from air_magic import paths, private_files
+from air_magic.protocol import wire
 from air_magic.threads import start_in_context
 from air_magic.tracking import metric_rows
 
@@ -71,12 +74,27 @@ class MetricWriter:
         self._warned = False
         self.last_error: str | None = None  # the store's last refusal, in one line
         self._thread: threading.Thread | None = None
+        self._copies: dict[int, int] = {}  # rank -> our copy of another node's rank file (append())
         with contextlib.suppress(OSError):  # for an import after a kill; a full disk costs only that
             fd = os.open(os.path.join(directory, paths.METRICS_RUN_FILE), os.O_WRONLY | os.O_CREAT, 0o600)
             try:
                 os.write(fd, run_id.encode())
             finally:
                 os.close(fd)
+
+    def append(self, rank: int, data: bytes) -> None:
+        """New lines of a rank on another node (the ``RankMetrics`` event): into our copy of its
+        file, read by the passes like a local rank's. A disk too full to keep them costs those
+        rows, said once; never an error of the call."""
+        try:
+            fd = self._copies.get(rank)
+            if fd is None:
+                fd = self._copies[rank] = private_files.open_private(wire.metrics_path(self.directory, rank))
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        except OSError as exc:
+            self._warn(f"metric rows of rank {rank} could not be kept here ({exc})")
 
     def start(self) -> None:
         if self._thread is None:
@@ -99,6 +117,9 @@ class MetricWriter:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+        for fd in self._copies.values():  # the ranks are gone: nothing more comes
+            os.close(fd)
+        self._copies.clear()
         # A store that failed once may answer on a retry (a sqlite store busy for a moment);
         # 3 passes, back to back, give it that chance without holding the call's end for long
         # on a store that is down. A backlog larger than memory takes one pass per MAX_PENDING.

@@ -58,7 +58,7 @@ from air_magic._version import __version__
 from air_magic.errors import ConfigurationError
 from air_magic.launch.accelerators import AcceleratorPlan
 from air_magic.protocol import env_names
-from air_magic.protocol.events import Event, Outcome, RecordLink, RunFinished, RunStarted
+from air_magic.protocol.events import Event, Outcome, RankMetrics, RecordLink, RunFinished, RunStarted
 from air_magic.threads import start_in_context
 from air_magic.tracking import log_upload, metric_writer, remote, resume, store, system_metrics
 from air_magic.tracking.log_upload import LogUploader
@@ -129,6 +129,9 @@ class TrackedRun:
             self.jobs.put(self._watch)
             if self.metrics is not None:
                 self.metrics.start()
+        elif isinstance(event, RankMetrics):
+            if self.metrics is not None:
+                self.metrics.append(event.rank, event.data)
         elif isinstance(event, RunFinished):
             self.failed_rank = event.failed_rank
             self.error = event.error

@@ -26,8 +26,8 @@ from air_magic.launch.failures import RankFailure, root_cause_order
 from air_magic.launch.ledger import CallLedger, RankRecord, classify_exit, timeout_error
 from air_magic.launch.request import LaunchRequest, RunResult
 from air_magic.protocol import serialization
-from air_magic.protocol.events import EventBus, RankStarted, RankState, RunFinished
-from air_magic.protocol.node_events import Exited, GroupDone, NodeLost
+from air_magic.protocol.events import EventBus, RankMetrics, RankStarted, RankState, RunFinished
+from air_magic.protocol.node_events import Exited, GroupDone, Metrics, NodeLost
 from air_magic.protocol.wire import ErrorRecord
 
 
@@ -287,6 +287,24 @@ def test_a_lost_node_is_an_own_failure_and_its_ranks_are_named_together():
     assert text.startswith("node 1 was lost during the call: its raylet died, and rank(s) 1, 2 with it")
     assert "1 other rank(s) failed after it (collective errors)" in text
     assert bus.exits()[2] == (RankState.FAILED, "its node or agent was lost")
+
+
+def test_another_nodes_metric_lines_become_an_event_and_no_file(tmp_path):
+    """The ledger gives events and decisions and writes no file: a remote rank's metric bytes go on
+    the bus (the tracked run keeps them), even where the request names a metric folder."""
+    bus = Recorder()
+    folder = tmp_path / "metrics"
+    folder.mkdir()
+    ledger = CallLedger(
+        request(env={"AIR_MAGIC_METRICS_DIR": str(folder)}),
+        EventBus([bus]),
+        _Router(),
+        "/logs",
+        ranks_per_node=[2],
+    )
+    ledger.take(0, Metrics(1, b"loss\t0.5\t1\t0\n"))
+    assert RankMetrics(1, b"loss\t0.5\t1\t0\n") in bus.events
+    assert list(folder.iterdir()) == []
 
 
 def test_a_group_done_with_ranks_unreported_loses_them():
