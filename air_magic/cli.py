@@ -412,8 +412,8 @@ def _run(
                 flush=True,
             )
             last = history.last_run()
-            if last is not None and last.mlflow_run_id and settings.run_id is None:
-                settings = replace(settings, run_id=last.mlflow_run_id)
+            if last is not None and last.mlflow_run_id and settings.mlflow_run_id is None:
+                settings = replace(settings, mlflow_run_id=last.mlflow_run_id)
         values = result.unwrap()
         status = 0
     except KeyboardInterrupt as exc:  # every rank was stopped before this came up

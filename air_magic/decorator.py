@@ -113,6 +113,7 @@ def distributed(
     stop_grace: float | None = None,
     gpus: int | None = None,
     gpu_type: str | None = None,
+    run_id: str | None = None,
     display: str = ...,
     env: dict[str, str] | None = None,
     log_dir: str | None = None,
@@ -124,7 +125,7 @@ def distributed(
     cluster: str | None = None,
     share_gpus: bool = ...,
     detach: bool = ...,
-    run_id: str | None = None,
+    mlflow_run_id: str | None = None,
     system_metrics: bool = ...,
     remote: bool = False,
 ) -> Callable[[Callable[..., R]], DistributedFunction[R]]: ...
@@ -141,6 +142,7 @@ def distributed(
     stop_grace: Any = None,
     gpus: Any = None,
     gpu_type: Any = None,
+    run_id: Any = None,  # the former name of mlflow_run_id
     display: Any = _LEFT_OUT["display"],
     env: Any = None,
     log_dir: Any = None,
@@ -152,7 +154,7 @@ def distributed(
     cluster: Any = None,
     share_gpus: Any = _LEFT_OUT["share_gpus"],
     detach: Any = _LEFT_OUT["detach"],
-    run_id: Any = None,
+    mlflow_run_id: Any = None,
     system_metrics: Any = _LEFT_OUT["system_metrics"],
     remote: Any = False,
 ) -> Any:
@@ -193,8 +195,9 @@ def distributed(
     - ``experiment``: the MLflow experiment. Default: MLflow's own, else the notebook's
       or script's name.
     - ``run_name``: the MLflow run's name. Default: MLflow's.
-    - ``run_id``: an existing MLflow run to record this call in (resume it) instead of a new
-      run. Default: a new run (MLFLOW_RUN_ID set here resumes that run).
+    - ``mlflow_run_id``: an existing MLflow run to record this call in (resume it) instead of a
+      new run. Default: a new run (MLFLOW_RUN_ID set here resumes that run). ``run_id`` is its
+      former name, still accepted (both given: they must agree).
     - ``system_metrics``: log this machine's CPU, memory, disk, network and GPU use to the run
       under system/ (every MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL seconds, 10 by default).
       Default True.
@@ -222,6 +225,7 @@ def distributed(
         cluster=cluster,
         share_gpus=share_gpus,
         detach=detach,
+        mlflow_run_id=mlflow_run_id,
         run_id=run_id,
         system_metrics=system_metrics,
         remote=remote,

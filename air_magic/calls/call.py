@@ -132,7 +132,7 @@ def prepare_call(
             accelerator_type=settings.accelerator_type.name if settings.accelerator_type else None,
             experiment=settings.experiment,
             run_name=settings.run_name,
-            resume_run_id=settings.run_id,
+            resume_run_id=settings.mlflow_run_id,
             system_metrics=settings.system_metrics,
             hidden=tuple(settings.env.values()),  # never recorded (a secret's place in the source)
         )

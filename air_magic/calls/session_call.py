@@ -35,6 +35,7 @@ from air_magic.errors import SessionEndedError
 from air_magic.launch.request import CellSender, RunResult, new_run_id
 from air_magic.launch.settings import LaunchSettings
 from air_magic.protocol.events import (
+    CellAnswered,
     Event,
     EventBus,
     Outcome,
@@ -306,6 +307,10 @@ class SessionCall:
     def handle(self, event: Event) -> None:
         """A consumer of the session call's events."""
         current = self.cells.current if self.cells is not None else None
+        if isinstance(event, CellAnswered):  # after everything that rank printed before it
+            self.memory[event.rank] = event.answer.get("memory") or {}
+            self._queue.put(Answer(event.rank, event.answer, event.outcome))
+            return
         if isinstance(event, RecordLink):  # the session's MLflow run: its cells' displays show it
             self.record = event
         elif isinstance(event, RunStarted):
@@ -329,10 +334,6 @@ class SessionCall:
     def connect(self, sender: CellSender) -> None:
         """The backend's line to the ranks, before any rank starts."""
         self.sender = sender
-
-    def answered(self, rank: int, answer: dict[str, Any], outcome: bytes | None) -> None:
-        self.memory[rank] = answer.get("memory") or {}
-        self._queue.put(Answer(rank, answer, outcome))
 
     def own_outcome(
         self, outcome: Outcome, error: str | None, failed_rank: int | None

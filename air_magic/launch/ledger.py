@@ -34,7 +34,7 @@ from air_magic.launch.failures import (
 from air_magic.launch.request import LaunchRequest, rank_succeeded
 from air_magic.launch.stacks import timeout_section
 from air_magic.protocol import serialization
-from air_magic.protocol.events import EventBus, RankExited, RankMetrics, RankStarted, RankState
+from air_magic.protocol.events import CellAnswered, EventBus, RankExited, RankMetrics, RankStarted, RankState
 from air_magic.protocol.node_events import (
     Answer,
     Exited,
@@ -185,9 +185,8 @@ class CallLedger:
             self._exited(event)
         elif isinstance(event, Metrics):  # another node's: the tracked run keeps them (no file here)
             self.bus.emit(RankMetrics(event.rank, event.data))
-        elif isinstance(event, Answer):
-            if self.request.channel is not None:  # a session rank ended a cell
-                self.request.channel.answered(event.rank, event.answer, event.outcome)
+        elif isinstance(event, Answer):  # a session's rank ended a cell: the session consumes it
+            self.bus.emit(CellAnswered(event.rank, event.answer, event.outcome))
         elif isinstance(event, NodeLost):
             self.node_lost(node, event.why)
         elif isinstance(event, GroupDone):

@@ -53,16 +53,12 @@ class CellSender(Protocol):
 class CellChannel(Protocol):
     """A persistent session's side of the line to its ranks (calls/persistent.py).
 
-    The backend calls :meth:`connect` before any rank starts, with its :class:`CellSender`,
-    and :meth:`answered` on its own thread for each answer of a rank, after handing every
-    byte that rank printed before it to the consumers. ``answer`` is the rank's message
-    (``{"ready": ...}`` once, then ``{"cell": N, "ok": ..., "memory": ...}``), ``outcome`` the
-    cell's pickled result (ok) or error record (not ok).
+    The backend calls :meth:`connect` before any rank starts, with its :class:`CellSender`;
+    each rank's answers come back as events (``protocol/events.CellAnswered``, after every
+    byte that rank printed before it), to the session, a consumer of its call's events.
     """
 
     def connect(self, sender: CellSender) -> None: ...
-
-    def answered(self, rank: int, answer: dict[str, Any], outcome: bytes | None) -> None: ...
 
     def own_outcome(
         self, outcome: Outcome, error: str | None, failed_rank: int | None

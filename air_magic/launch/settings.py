@@ -169,7 +169,9 @@ def _check_run_id(value: Any) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str) or not value.strip() or any(c.isspace() for c in value):
-        raise ConfigurationError(f"run_id must be an MLflow run id (a string without spaces), got {value!r}")
+        raise ConfigurationError(
+            f"mlflow_run_id must be an MLflow run id (a string without spaces), got {value!r}"
+        )
     return value
 
 
@@ -215,17 +217,30 @@ class Setting:
     switch: bool = False  # a boolean: ``--x`` / ``--no-x``
     repeat: bool = False  # a mapping: the flag once per ``KEY=VALUE``, merged
     default_text: str | None = None  # shown instead of the field's default ("" shows none)
+    alias: str | None = None  # a former name, still accepted: as a keyword and as its flag
 
 
 def _about(setting: Setting) -> dict[str, Setting]:
     return {"setting": setting}
 
 
-def _setting(default: Any = MISSING, *, default_factory: Any = MISSING, **about: Any) -> Any:
-    """A field of LaunchSettings: its default and how it is checked, shown and spelled (Setting)."""
+def _setting(default: Any = None, *, default_factory: Any = MISSING, **about: Any) -> Any:
+    """A field of LaunchSettings: its default (left out: None) and how it is checked, shown and
+    spelled (Setting)."""
     if default_factory is not MISSING:
         return field(default_factory=default_factory, metadata=_about(Setting(**about)))
     return field(default=default, metadata=_about(Setting(**about)))
+
+
+def _switch(name: str, default: bool, help: str) -> Any:
+    """A True/False setting: ``--name`` / ``--no-name`` on a command line."""
+    return _setting(default, help=help, check=functools.partial(_check_bool, name), switch=True)
+
+
+def _name(name: str, help: str, default_text: str) -> Any:
+    """A name (a non-empty string), left out by default."""
+    check = functools.partial(_check_name, name)
+    return _setting(help=help, check=check, metavar="NAME", default_text=default_text)
 
 
 @dataclass(frozen=True)
@@ -237,7 +252,6 @@ class LaunchSettings:
     """
 
     num_accelerators: int | None = _setting(
-        None,
         help="ranks to run, one per GPU",
         check=_check_count,
         parse=int,
@@ -247,7 +261,6 @@ class LaunchSettings:
         default_text="every visible GPU; 2 CPU ranks without a GPU",
     )
     accelerator_type: AcceleratorSpec | None = _setting(
-        None,
         help="the GPUs expected, GPU_<count>x<MODEL> such as GPU_8xH100, checked against the machine",
         check=_check_type,
         metavar="TYPE",
@@ -262,7 +275,6 @@ class LaunchSettings:
         metavar="SECONDS|none",
     )
     stop_grace: float | None = _setting(
-        None,
         help="seconds the ranks get to end on their own after a stop (the stop button, Ctrl-C, "
         "a signal to the command line, cancel()) before they are killed: they get SIGINT "
         "(KeyboardInterrupt), or the signal the command line got, as torchrun forwards it",
@@ -291,7 +303,6 @@ class LaunchSettings:
         default_text="",
     )
     log_dir: str | None = _setting(
-        None,
         help="the folder for the call's rank logs",
         check=_check_log_dir,
         metavar="PATH",
@@ -306,73 +317,58 @@ class LaunchSettings:
         metavar="BYTES",
         default_text=f"{DEFAULT_MAX_PAYLOAD_BYTES // 2**20} MiB",
     )
-    tracking: bool = _setting(
+    tracking: bool = _switch("tracking", True, "record the call as an MLflow run, when mlflow is installed")
+    warm_start: bool = _switch(
+        "warm_start",
         True,
-        help="record the call as an MLflow run, when mlflow is installed",
-        check=functools.partial(_check_bool, "tracking"),
-        switch=True,
-    )
-    warm_start: bool = _setting(
-        True,
-        help="fork ranks from a starter process that has imported torch once, "
+        "fork ranks from a starter process that has imported torch once, "
         "instead of starting fresh interpreters",
-        check=functools.partial(_check_bool, "warm_start"),
-        switch=True,
     )
     cluster: str | None = _setting(
-        None,
         help="where the ranks run: this machine, or 'ray' (every node of a Ray cluster; "
         "'ray=ADDRESS' names the cluster)",
         check=_check_cluster,
         metavar="ray[=ADDRESS]",
         default_text="this machine",
     )
-    share_gpus: bool = _setting(
+    share_gpus: bool = _switch(
+        "share_gpus",
         False,
-        help="run even on GPUs that a background run of this process is using "
+        "run even on GPUs that a background run of this process is using "
         "(both then share their memory and time)",
-        check=functools.partial(_check_bool, "share_gpus"),
-        switch=True,
     )
-    detach: bool = _setting(
+    detach: bool = _switch(
+        "detach",
         False,
-        help="run the ranks under a small supervisor process that outlives this kernel "
+        "run the ranks under a small supervisor process that outlives this kernel "
         "(or terminal): air_magic.attach() re-opens the run from any kernel. With cluster='ray' "
         "the supervisor is a Ray job on the cluster, followed from any machine (docs/ray.md)",
-        check=functools.partial(_check_bool, "detach"),
-        switch=True,
     )
-    experiment: str | None = _setting(
-        None,
-        help="the MLflow experiment",
-        check=functools.partial(_check_name, "experiment"),
-        metavar="NAME",
-        default_text="MLflow's own, else the notebook's or script's name",
+    experiment: str | None = _name(
+        "experiment", "the MLflow experiment", "MLflow's own, else the notebook's or script's name"
     )
-    run_name: str | None = _setting(
-        None,
-        help="the MLflow run's name",
-        check=functools.partial(_check_name, "run_name"),
-        metavar="NAME",
-        default_text="MLflow's",
-    )
-    run_id: str | None = _setting(
-        None,
+    run_name: str | None = _name("run_name", "the MLflow run's name", "MLflow's")
+    mlflow_run_id: str | None = _setting(
         help="an existing MLflow run to record this call in (resume it) instead of a new run",
         check=_check_run_id,
         metavar="RUN_ID",
         default_text="a new run (MLFLOW_RUN_ID set here resumes that run)",
+        alias="run_id",
     )
-    system_metrics: bool = _setting(
+    system_metrics: bool = _switch(
+        "system_metrics",
         True,
-        help="log this machine's CPU, memory, disk, network and GPU use to the run under system/ "
+        "log this machine's CPU, memory, disk, network and GPU use to the run under system/ "
         "(every MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL seconds, 10 by default)",
-        check=functools.partial(_check_bool, "system_metrics"),
-        switch=True,
     )
 
     # The user's own spelling of every setting, so overrides re-validate as one.
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def run_id(self) -> str | None:
+        """The former name of :attr:`mlflow_run_id`, read-only (for code that still reads it)."""
+        return self.mlflow_run_id
 
 
 def _field_default(f: Field[Any]) -> Any:
@@ -387,13 +383,15 @@ SETTINGS: dict[str, Setting] = {
 }
 DEFAULTS: dict[str, Any] = {f.name: _field_default(f) for f in fields(LaunchSettings) if f.name in SETTINGS}
 _LEGACY_NAMES = {"gpus": "num_accelerators", "gpu_type": "accelerator_type"}
+# Former names of settings (``Setting.alias``): still accepted as they are, without a warning.
+ALIASES: dict[str, str] = {s.alias: name for name, s in SETTINGS.items() if s.alias is not None}
 
 
 def make_settings(base: Mapping[str, Any] | None = None, **given: Any) -> LaunchSettings:
     """Validate ``given`` (keyword settings, legacy names allowed) on top of ``base``."""
     given = {k: v for k, v in given.items() if not isinstance(v, Unset)}
-    given = _translate_legacy(given)
-    raw = {**(base or {}), **given}
+    given = _translate_legacy(_translate_aliases(given))
+    raw = {**_translate_aliases(dict(base or {})), **given}
     unknown = set(raw) - set(SETTINGS)
     if unknown:
         raise ConfigurationError(
@@ -401,6 +399,24 @@ def make_settings(base: Mapping[str, Any] | None = None, **given: Any) -> Launch
         )
     checked = {name: s.check(raw.get(name, DEFAULTS[name])) for name, s in SETTINGS.items()}
     return LaunchSettings(**checked, raw=raw)
+
+
+def _translate_aliases(given: dict[str, Any]) -> dict[str, Any]:
+    """A setting's former name (``run_id=``) to its name (``mlflow_run_id=``). Both given: they must
+    agree (None is no value: the decorator passes both)."""
+    out = dict(given)
+    for old, new in ALIASES.items():
+        if old not in out:
+            continue
+        value, other = out.pop(old), out.get(new)
+        if value is not None and other is not None and value != other:
+            raise ConfigurationError(
+                f"both {old}={value!r} and {new}={other!r} were given; {old} is the former name of "
+                f"{new}: give only {new}="
+            )
+        if other is None:
+            out[new] = value
+    return out
 
 
 def _translate_legacy(given: dict[str, Any]) -> dict[str, Any]:
@@ -452,10 +468,16 @@ def _translate_legacy(given: dict[str, Any]) -> dict[str, Any]:
 
 
 def flags_of(name: str) -> tuple[str, ...]:
-    """The option strings of a setting: ``('-n', '--num-accelerators')``, ``('--timeout',)``..."""
+    """The option strings of a setting: ``('-n', '--num-accelerators')``, ``('--timeout',)``,
+    ``('--mlflow-run-id', '--run-id')`` (its former name last)..."""
     setting = SETTINGS[name]
-    long = setting.flag or "--" + name.replace("_", "-")
-    return (setting.short, long) if setting.short else (long,)
+    long = setting.flag or _long_flag(name)
+    flags = (setting.short, long) if setting.short else (long,)
+    return (*flags, _long_flag(setting.alias)) if setting.alias else flags
+
+
+def _long_flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 
 def help_of(name: str) -> str:
@@ -470,8 +492,11 @@ def help_of(name: str) -> str:
             shown = f"{default:g}"
         else:
             shown = str(default)
+    text = f"{setting.help} (default: {shown})" if shown else setting.help
+    if setting.alias:
+        text += f"; {_long_flag(setting.alias)} is its former name, still accepted"
     # argparse %-formats help strings: a literal % must be doubled.
-    return (f"{setting.help} (default: {shown})" if shown else setting.help).replace("%", "%%")
+    return text.replace("%", "%%")
 
 
 def argument_specs() -> list[tuple[tuple[str, ...], dict[str, Any]]]:

@@ -4,9 +4,10 @@ The supervisor (``calls/supervisor.py``) adds :class:`EventLogWriter` to its
 call's consumers; whoever attaches (``calls/detached.py``, ``calls/ray_jobs.py``)
 reads them with :func:`follow` and hands each event to its own displays: what
 was printed so far, then the stream, through the same consumers a live call
-uses. Every event but ``Tick`` and ``RankMetrics`` (the supervisor stores those)
-is kept, rank output as it came (carriage returns and unfinished lines
-included), so a replay draws exactly what a live view drew.
+uses. Every event but ``Tick``, ``RankMetrics`` (the supervisor stores those) and
+``CellAnswered`` (a session is never detached) is kept, rank output as it came
+(carriage returns and unfinished lines included), so a replay draws exactly what
+a live view drew.
 
 The log is written in parts, so that a follower never replays an unbounded file
 (a follower of a Ray job reads them over HTTP): ``events.jsonl``, then
@@ -31,6 +32,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TextIO
 
 from air_magic.protocol.events import (
+    CellAnswered,
     Event,
     RankExited,
     RankMetrics,
@@ -135,7 +137,7 @@ class EventLogWriter:
         return os.fdopen(fd, "a", encoding="utf-8")
 
     def handle(self, event: Event) -> None:
-        if not isinstance(event, (Tick, RankMetrics)):
+        if not isinstance(event, (Tick, RankMetrics, CellAnswered)):
             key = _snapshot_key(event)
             if key is not None:
                 self._snapshot[key] = event

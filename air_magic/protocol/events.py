@@ -17,7 +17,7 @@ import enum
 import sys
 import traceback
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class RankState(str, enum.Enum):
@@ -136,6 +136,18 @@ class RankMetrics:
 
 
 @dataclass(frozen=True)
+class CellAnswered:
+    """A persistent session's rank answered: ``{"ready": ...}`` once, then ``{"cell": N, "ok": ...,
+    "memory": ...}`` for each cell, after every byte that rank printed before it. ``outcome``: the
+    cell's pickled value (ok) or error record (not ok). The session (``calls/session_call.py``)
+    consumes it; not in an event log (a session is not detached)."""
+
+    rank: int
+    answer: dict[str, Any]
+    outcome: bytes | None
+
+
+@dataclass(frozen=True)
 class SessionState:
     """What a persistent session holds, for the header of each of its cells (SPEC §15).
 
@@ -162,6 +174,7 @@ Event = (
     | SessionState
     | RecordLink
     | RankMetrics
+    | CellAnswered
 )
 
 

@@ -1,6 +1,6 @@
 """Resuming an MLflow run: a call recorded in an existing run rather than a new one.
 
-``tracking/run.py`` asks :func:`run_to_resume` which run (``run_id=``, else
+``tracking/run.py`` asks :func:`run_to_resume` which run (``mlflow_run_id=``, else
 ``MLFLOW_RUN_ID`` set in the caller without an active run, said in one line),
 and :func:`reopen` checks it and marks it RUNNING again for this call. The
 call's outcome then ends it, FINISHED, FAILED or KILLED, as a new run would be.
@@ -38,7 +38,7 @@ class Reopened:
 
 
 def run_to_resume(explicit: str | None, active: Any) -> str | None:
-    """The run to continue: ``run_id=``, else ``MLFLOW_RUN_ID`` of this process (said in one line)
+    """The run to continue: ``mlflow_run_id=``, else ``MLFLOW_RUN_ID`` of this process (said in one line)
     when the notebook has no active run (with one, the call's run is its child, as always)."""
     if explicit is not None:
         return explicit
@@ -62,17 +62,19 @@ def reopen(client: Any, uri: str, run_id: str, experiment: str | None) -> Reopen
         run = client.get_run(run_id)
     except MlflowException as exc:
         raise ConfigurationError(
-            f"run_id={run_id!r}: no such MLflow run in {uri} ({str(exc).splitlines()[0]}); "
+            f"mlflow_run_id={run_id!r}: no such MLflow run in {uri} ({str(exc).splitlines()[0]}); "
             "nothing was launched"
         ) from None
     info, tags = run.info, run.data.tags
     if info.lifecycle_stage == "deleted":
-        raise ConfigurationError(f"run_id={run_id!r}: that MLflow run was deleted; nothing was launched")
+        raise ConfigurationError(
+            f"mlflow_run_id={run_id!r}: that MLflow run was deleted; nothing was launched"
+        )
     if experiment is not None:
         named = client.get_experiment_by_name(experiment)
         if named is None or named.experiment_id != info.experiment_id:
             raise ConfigurationError(
-                f"run_id={run_id!r} is a run of experiment {info.experiment_id}, not of "
+                f"mlflow_run_id={run_id!r} is a run of experiment {info.experiment_id}, not of "
                 f"experiment={experiment!r}: leave out one of the two; nothing was launched"
             )
     if info.status == "RUNNING":
@@ -81,7 +83,7 @@ def reopen(client: Any, uri: str, run_id: str, experiment: str | None) -> Reopen
             # Not an air_magic call of this machine that died (those are the ones we may take
             # over): the notebook's own active run, another tool's, another machine's, a live call.
             raise ConfigurationError(
-                f"run_id={run_id!r} is RUNNING: something else is recording into it (a live call, "
+                f"mlflow_run_id={run_id!r} is RUNNING: something else is recording into it (a live call, "
                 "another machine, or an active run of MLflow's own); end it first, or record this "
                 "call elsewhere; nothing was launched"
             )

@@ -166,6 +166,17 @@ def test_max_restarts_starts_every_rank_again_as_torchrun_does(tmp_path):
     assert no_more.returncode == 1 and "a node's disk was full" in no_more.stderr
 
 
+def test_a_tracked_restart_resumes_the_same_mlflow_run(tmp_path, store):
+    """Each attempt of --max-restarts is recorded in the first attempt's MLflow run (the setting
+    that resumes it is mlflow_run_id; its old name run_id once broke this path)."""
+    (tmp_path / "fails_once.py").write_text(FAILS_ONCE)
+    ours = invoke("run", "--max-restarts=1", "fails_once.py", cwd=tmp_path)
+    assert ours.returncode == 0, ours.stderr
+    runs = store.search_runs([e.experiment_id for e in store.search_experiments()])
+    seen = [(r.info.run_id, r.info.status) for r in runs]
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED", seen
+
+
 def test_local_ranks_filter_shows_those_ranks_and_the_logs_keep_every_rank(tmp_path):
     (tmp_path / "hello.py").write_text("import os\nprint(f\"hello from {os.environ['RANK']}\")\n")
     done = invoke("run", "--no-tracking", "--local-ranks-filter=1", "hello.py", cwd=tmp_path)

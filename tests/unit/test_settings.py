@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 import warnings
 
@@ -9,7 +10,13 @@ import pytest
 
 from air_magic import AcceleratorType, ConfigurationError, DirectCallError, distributed
 from air_magic.launch.accelerators import parse_accelerator_type
-from air_magic.launch.settings import DEFAULT_TIMEOUT
+from air_magic.launch.settings import (
+    DEFAULT_TIMEOUT,
+    add_arguments,
+    help_of,
+    make_settings,
+    settings_from_args,
+)
 
 
 def train(x, y=2):
@@ -91,6 +98,40 @@ def test_mixing_old_and_new_names_is_an_error():
         distributed(num_accelerators=2, gpus=2)
     with pytest.raises(ConfigurationError, match="gpu_type"):
         distributed(accelerator_type="GPU_1xA10", gpu_type="A10")
+
+
+def test_run_id_is_the_former_name_of_mlflow_run_id():
+    new = distributed(mlflow_run_id="0123abcd")(train)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a former name, not a legacy one: no warning
+        old = distributed(run_id="0123abcd")(train)
+    assert new.settings == old.settings and old.settings.mlflow_run_id == "0123abcd"
+    assert old.settings.run_id == "0123abcd"  # the read-only property, for code that reads it
+    with pytest.raises(AttributeError):
+        old.settings.run_id = "other"
+    assert (
+        make_settings(run_id="a")
+        == make_settings(mlflow_run_id="a")
+        == make_settings(run_id="a", mlflow_run_id="a")
+    )
+    assert new.with_overrides(run_id="b").settings.mlflow_run_id == "b"  # an override in either name
+    assert old.with_overrides(mlflow_run_id="b").settings.mlflow_run_id == "b"
+    assert old.with_overrides(run_id=None).settings.mlflow_run_id is None
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    for flag in ("--mlflow-run-id", "--run-id"):
+        given = settings_from_args(parser.parse_args([flag, "0123abcd"]))
+        assert make_settings(**given) == new.settings, flag
+    assert "--run-id is its former name" in help_of("mlflow_run_id")
+
+
+def test_run_id_and_mlflow_run_id_that_differ_are_an_error():
+    with pytest.raises(ConfigurationError, match=r"both run_id='a' and mlflow_run_id='b'.*former name"):
+        distributed(run_id="a", mlflow_run_id="b")
+    with pytest.raises(ConfigurationError, match="former name of mlflow_run_id"):
+        distributed(mlflow_run_id="a")(train).with_overrides(run_id="b", mlflow_run_id="c")
+    with pytest.raises(ConfigurationError, match="mlflow_run_id must be an MLflow run id"):
+        distributed(run_id="has space")
 
 
 def test_with_overrides_accepts_legacy_names_with_a_warning():

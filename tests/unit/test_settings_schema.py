@@ -27,6 +27,7 @@ from air_magic.launch.settings import DEFAULTS, SETTINGS, LaunchSettings, make_s
 from air_magic.notebook import magics
 
 LEGACY = {"gpus", "gpu_type", "remote"}  # the seed's names, not settings
+ALIASES = set(schema.ALIASES)  # former names of settings, still accepted: run_id
 MAGIC_ONLY = {"--push", "--pull", "--no-pull", "--cold", "--background"}
 SEED_POSITIONAL = ["num_accelerators", "accelerator_type", "timeout"]
 
@@ -48,13 +49,13 @@ EVERY_SETTING = (
         "detach": False,  # --no-detach here
         "experiment": "exp",
         "run_name": "run-1",
-        "run_id": "0123abcd",
+        "mlflow_run_id": "0123abcd",
         "system_metrics": False,
     },
     "-n 3 --accelerator-type GPU_2xH200 --timeout 12.5 --stop-grace 5 --display text --env A=1 --env B=x=y "
     "--log-dir /tmp/air_magic-schema-logs --max-payload-bytes 1024 --no-tracking --no-warm-start "
     "--cluster ray=127.0.0.1:6379 --share-gpus --no-detach --experiment exp --run-name run-1 "
-    "--run-id 0123abcd --no-system-metrics",
+    "--mlflow-run-id 0123abcd --no-system-metrics",
 )
 
 
@@ -105,7 +106,7 @@ def test_every_field_is_a_setting_with_help():
 
 def test_the_decorators_parameters_are_the_schema():
     params = inspect.signature(distributed).parameters
-    assert set(params) == set(SETTINGS) | LEGACY
+    assert set(params) == set(SETTINGS) | LEGACY | ALIASES
     positional = [n for n, p in params.items() if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
     assert positional == SEED_POSITIONAL  # the seed's order: distributed(2, "GPU_8xH100", 60)
     get_overloads = getattr(typing, "get_overloads", None)  # Python 3.11+
@@ -168,6 +169,8 @@ def test_every_setting_has_a_case_below():
         ({"timeout": None, "tracking": True, "warm_start": False}, "--timeout NONE --tracking --cold"),
         ({"warm_start": True, "env": {"A": "2"}}, "--cold --warm-start --env A=1 --env A=2"),
         ({"num_accelerators": 2, "timeout": 60}, "--num-accelerators 2 --timeout 60"),
+        ({"run_id": "0123abcd"}, "--mlflow-run-id 0123abcd"),  # the former names, both surfaces
+        ({"mlflow_run_id": "0123abcd"}, "--run-id 0123abcd"),
     ],
 )
 def test_keywords_and_magic_line_give_equal_settings(ip, keywords, line):

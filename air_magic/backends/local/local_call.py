@@ -7,7 +7,7 @@ in-process: :meth:`LocalCall.start` makes the rendezvous store and the group
 group's selector, whose facts go straight to the ledger. No thread is added:
 the loop that waits for the ranks is the caller's.
 
-Where a rank is started: ``RankGroup._start_with``, through ``ranks.spawn_rank``.
+Where a rank is started: ``rank_start.RankStart._start_with``, through ``ranks.spawn_rank``.
 """
 
 from __future__ import annotations
