@@ -68,7 +68,7 @@ def embedded_mlflow_uri() -> str:
     return "sqlite:///" + os.path.join(embedded_mlflow_dir(), MLFLOW_DB)
 
 
-STACKS_FILE = "stacks.txt"  # in a call's log folder: every stack dump taken (launch/stacks.py)
+STACKS_FILE = "stacks.txt"  # in a call's log folder: every stack dump taken (outcome/stacks.py)
 RUN_SUMMARY = "run.json"  # in a call's log folder: what it was and how it ended (air-magic runs)
 
 

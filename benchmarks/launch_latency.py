@@ -32,7 +32,7 @@ sys.path.insert(0, HERE)
 from trivial_job import trivial  # noqa: E402
 
 from air_magic import distributed  # noqa: E402
-from air_magic.backends.local import warm  # noqa: E402
+from air_magic.node import warm  # noqa: E402
 
 
 def timed(fn, repeats: int) -> list[float]:

@@ -31,7 +31,7 @@ import statistics
 import time
 
 from air_magic import distributed, last_run
-from air_magic.backends.local import warm
+from air_magic.node import warm
 
 
 def flood(n: int, how: str) -> float:

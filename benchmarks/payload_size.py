@@ -19,7 +19,7 @@ import time
 import psutil
 
 from air_magic import distributed
-from air_magic.backends.local import warm
+from air_magic.node import warm
 
 
 def size_of(data: bytes) -> int:

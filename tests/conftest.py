@@ -235,7 +235,7 @@ def starter():
     """A ready warm starter for this process: the running one while it is alive and current (a new
     one costs an import of torch; the tests that need one restart it themselves), else a new one."""
     from air_magic import restart_warm_start
-    from air_magic.backends.local import warm
+    from air_magic.node import warm
 
     found = warm.get_starter(wait_s=120)
     # None: given up on earlier (a test of a starter that never gets ready), or another call waits

@@ -16,7 +16,7 @@ in three steps:
    interrupt would (every rank and its children, a short grace); ``run`` then
    returns an 'interrupted' result. Harmless when nothing runs.
 4. :meth:`Backend.stacks` — from any thread: every running rank's thread stacks
-   (``launch/stacks.py``), by rank; ``{}`` when nothing runs.
+   (``outcome/stacks.py``), by rank; ``{}`` when nothing runs.
 
 A new backend is done when ``tests/contract/test_backend_contract.py`` passes for it.
 """

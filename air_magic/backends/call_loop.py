@@ -5,7 +5,7 @@ as torch.distributed.elastic's ``_invoke_run``), and supplies the hooks that
 differ: how its rank groups start (:meth:`CallLoop.start`), how their facts
 reach the caller (:meth:`CallLoop.pump`: in-process on this machine, long
 polls on a Ray cluster), how they are stopped, where stacks come from. The
-facts go to one :class:`~air_magic.launch.ledger.CallLedger`, which decides how
+facts go to one :class:`~air_magic.outcome.ledger.CallLedger`, which decides how
 each rank ended and what the call's outcome is::
 
     RunStarted, as the log folder is made (so `air-magic runs` sees the call from its first moment)
@@ -25,11 +25,12 @@ import signal
 import time
 from abc import ABC, abstractmethod
 
-from air_magic.backends.output import OutputRouter, ensure_open_files, make_log_dir
+from air_magic.backends.output import OutputRouter, make_log_dir
 from air_magic.errors import DistributedTimeoutError, PayloadError
-from air_magic.launch.ledger import CallLedger, stopped_error
 from air_magic.launch.request import LaunchRequest, RunResult, StopRequest, new_run_id
-from air_magic.launch.stacks import discard_rank_files
+from air_magic.node.open_files import ensure_open_files
+from air_magic.outcome.ledger import CallLedger, stopped_error
+from air_magic.outcome.stacks import discard_rank_files
 from air_magic.protocol.events import EventBus, Outcome, RunFinished, RunStarted, Tick
 
 # How long ranks get between SIGTERM and SIGKILL after a failure or a timeout: long enough for

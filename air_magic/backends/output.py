@@ -29,9 +29,7 @@ import codecs
 import collections
 import json
 import os
-import resource
 import shutil
-import sys
 
 from air_magic import paths, private_files
 from air_magic.errors import ConfigurationError
@@ -62,7 +60,7 @@ def make_log_dir(root: str | None, run_id: str) -> str:
     if root is None:
         _prune(base)
     # Without links or a relative part: the folder's name stays right after a chdir, and equals what
-    # the kernel reports for files opened in it (stacks: launch/stacks.py compares them).
+    # the kernel reports for files opened in it (stacks: outcome/stacks.py compares them).
     return os.path.realpath(path)
 
 
@@ -196,39 +194,3 @@ def _write_all(fd: int, *parts: bytes | memoryview) -> None:
             written -= len(views.pop(0))
         if views:
             views[0] = views[0][written:]
-
-
-# Descriptors this process holds per rank while a call runs: stdout and stderr pipes, a pidfd,
-# the rank's log, its metric file, a session's two pipes; and a margin for everything else.
-FDS_PER_RANK = 8
-FDS_MARGIN = 64
-
-
-_said_open_files = False
-
-
-def ensure_open_files(ranks: int) -> None:
-    """Room for ``ranks`` more ranks' descriptors: the soft open-file limit raised as far as needed (up
-    to the hard limit), and said once when even that is not enough."""
-    global _said_open_files
-    try:
-        in_use = len(os.listdir("/proc/self/fd"))
-    except OSError:
-        return
-    needed = in_use + FDS_PER_RANK * ranks + FDS_MARGIN
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY or needed <= soft:
-        return
-    target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
-    if target > soft:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-        except (ValueError, OSError):
-            target = soft
-    if target < needed and not _said_open_files:
-        _said_open_files = True
-        print(
-            f"air_magic: {ranks} rank(s) need about {needed} open files here and the limit is {target} "
-            f"(hard limit {hard}); raise it (ulimit -n) if ranks fail to start",
-            file=sys.stderr,
-        )

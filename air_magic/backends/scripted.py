@@ -3,7 +3,7 @@
 For tests, of air_magic and of code built on it, as httpx's ``MockTransport`` is
 for HTTP clients: what the ranks do is written down, and everything after the
 ranks (the call loop, ``backends/call_loop.py``; the ledger and its rules,
-``launch/ledger.py`` and ``launch/failures.py``; the events, the displays, the
+``outcome/ledger.py`` and ``outcome/failures.py``; the events, the displays, the
 history, a persistent session's cells) is the code a real call runs::
 
     from air_magic.backends.scripted import Rank, ScriptedBackend

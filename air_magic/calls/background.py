@@ -40,7 +40,7 @@ from air_magic import paths
 from air_magic.display.widgets import WidgetDisplay, rewrite_at_cell_ends, widgets_available
 from air_magic.launch.request import RunResult
 from air_magic.launch.settings import stop_grace_s
-from air_magic.launch.stacks import format_stacks
+from air_magic.outcome.stacks import format_stacks
 from air_magic.protocol.events import (
     Consumer,
     Event,
@@ -196,7 +196,7 @@ class RunHandle:
 
     def stacks(self) -> StackDump:
         """Every thread's Python stack in every running rank (py-spy, else a signal; see
-        ``launch/stacks.py``). Printed, it shows the user's frames; the full dumps are also
+        ``outcome/stacks.py``). Printed, it shows the user's frames; the full dumps are also
         appended to ``stacks.txt`` in the call's log folder."""
         return StackDump(self._take_stacks())
 

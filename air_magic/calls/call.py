@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypedDict
 
 from air_magic.backends.base import Backend
-from air_magic.backends.local import warm
 from air_magic.calls import gpu_claims, runners
 from air_magic.calls.history import RunHistory
 from air_magic.display.widgets import make_consumers
@@ -35,6 +34,7 @@ from air_magic.launch.accelerators import AcceleratorPlan
 from air_magic.launch.payload import build_payload
 from air_magic.launch.request import CellChannel, LaunchRequest, RunResult
 from air_magic.launch.settings import LaunchSettings, stop_grace_s
+from air_magic.node import warm
 from air_magic.protocol import env_names
 from air_magic.protocol.events import Consumer, EventBus, Outcome, RecordLink
 from air_magic.tracking import run as tracking

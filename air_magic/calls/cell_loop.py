@@ -9,7 +9,7 @@ session call's queue and go to the cell's own display and history
 :data:`PEER_GRACE_S`, or the cell's timeout ran out. Then the ranks still in the
 cell get SIGINT and :data:`RECOVER_S` to report; if one does not, the session
 ends. A cell's root cause, and so its tab, history line and MLflow tag, is the
-ledger's rule (``launch/failures.root_cause_rank``) applied to its exception.
+ledger's rule (``outcome/failures.root_cause_rank``) applied to its exception.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from air_magic.calls.session_call import Answer, FromLoop, SessionCall, SessionS
 from air_magic.calls.session_cell import SessionCell
 from air_magic.display.widgets import make_consumers
 from air_magic.errors import ConfigurationError, DistributedTimeoutError, SessionEndedError
-from air_magic.launch.failures import root_cause_rank
-from air_magic.launch.ledger import timeout_error
 from air_magic.launch.payload import build_payload
 from air_magic.launch.request import RunResult
+from air_magic.outcome.failures import root_cause_rank
+from air_magic.outcome.ledger import timeout_error
 from air_magic.protocol import serialization
 from air_magic.protocol.events import EventBus, Outcome, RankStarted, RunFinished, RunStarted, Tick
 from air_magic.tracking import session_steps

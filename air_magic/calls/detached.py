@@ -44,7 +44,7 @@ from air_magic.errors import ConfigurationError, LaunchError
 from air_magic.launch.accelerators import AcceleratorPlan
 from air_magic.launch.request import RunResult
 from air_magic.launch.settings import stop_grace_s
-from air_magic.launch.stacks import take_stacks
+from air_magic.outcome.stacks import take_stacks
 from air_magic.protocol import event_log, serialization, wire
 from air_magic.protocol.events import (
     Event,

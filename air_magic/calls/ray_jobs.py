@@ -46,8 +46,8 @@ from air_magic.calls import detached
 from air_magic.calls.background import RunHandle
 from air_magic.display.widgets import make_consumers
 from air_magic.errors import ConfigurationError, LaunchError
-from air_magic.launch import result_text
 from air_magic.launch.request import RunResult, new_run_id
+from air_magic.outcome import result_text
 from air_magic.protocol import env_names, event_log, serialization
 from air_magic.protocol.events import Outcome
 

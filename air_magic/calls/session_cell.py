@@ -3,7 +3,7 @@
 ``calls/persistent.py`` makes a :class:`SessionCell` for each cell it sends
 to the ranks, hands it each rank's answer (:meth:`SessionCell.take_answer`) and,
 at the end, asks it for its values or its error: the same rules as a call's
-(``launch/ledger.py``, ``launch/failures.py``), where a rank interrupted because
+(``outcome/ledger.py``, ``outcome/failures.py``), where a rank interrupted because
 another failed is a consequence, never the root cause.
 """
 
@@ -16,8 +16,8 @@ from typing import Any
 
 from air_magic import paths
 from air_magic.errors import LaunchError
-from air_magic.launch.failures import RankFailure, build_exception
-from air_magic.launch.ledger import load_record, load_results
+from air_magic.outcome.failures import RankFailure, build_exception
+from air_magic.outcome.ledger import load_record, load_results
 from air_magic.protocol.events import EventBus, RankExited, RankState
 
 

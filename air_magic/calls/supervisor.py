@@ -66,9 +66,9 @@ from air_magic.backends.base import Backend  # noqa: E402
 from air_magic.backends.local.backend import LocalBackend  # noqa: E402
 from air_magic.calls import detached, runners  # noqa: E402
 from air_magic.calls.call import PreparedCall  # noqa: E402
-from air_magic.launch import result_text  # noqa: E402
 from air_magic.launch.request import RunResult  # noqa: E402
 from air_magic.launch.settings import LaunchSettings, make_settings  # noqa: E402
+from air_magic.outcome import result_text  # noqa: E402
 from air_magic.protocol import event_log, serialization, wire  # noqa: E402
 from air_magic.protocol.events import Consumer  # noqa: E402
 from air_magic.tracking import run as tracking  # noqa: E402
@@ -206,7 +206,7 @@ def _kept_as_text(result: RunResult, exc: Exception) -> RunResult:
 
 
 def _write_result(folder: str, result: RunResult, text: bool = False) -> None:
-    """``result.pkl``; ``text``: ``result.json`` (launch/result_text.py), for followers that read it
+    """``result.pkl``; ``text``: ``result.json`` (outcome/result_text.py), for followers that read it
     over HTTP and unpickle nothing."""
     if text:
         wire.write_atomically(os.path.join(folder, paths.DETACHED_RESULT_TEXT), result_text.to_json(result))

@@ -1,8 +1,8 @@
 """What a node's rank group tells the call's caller: the facts of its ranks, as they happen.
 
-A rank group (``backends/local/rank_group.py``) watches the ranks of one call on
+A rank group (``node/rank_group.py``) watches the ranks of one call on
 one node and reports each fact below; the caller's outcome ledger
-(``launch/ledger.py``) turns them into the call's events and outcome. The local
+(``outcome/ledger.py``) turns them into the call's events and outcome. The local
 backend hands them over in-process; a Ray node's agent keeps them until the
 caller's next poll (``backends/ray/agent.py``), so they must pickle.
 

@@ -44,7 +44,7 @@ def untracked_mlflow_uri(call_dir: str, rank: int | str) -> str:
 
 
 # What a rank prints when its error record cannot be written (a full temp folder): the caller's
-# death message (launch/failures.py) then says so first, and the traceback is in the lines shown.
+# death message (outcome/failures.py) then says so first, and the traceback is in the lines shown.
 ERROR_RECORD_UNWRITTEN = "[air_magic] this rank's error record could not be written"
 
 

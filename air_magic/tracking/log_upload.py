@@ -52,7 +52,7 @@ class LogUploader:
             return
         for name in names:
             if name.startswith(RANK_FILE_PREFIX):
-                continue  # a rank's stack dump in the making: stacks.txt gathers them (launch/stacks.py)
+                continue  # a rank's stack dump in the making: stacks.txt gathers them (outcome/stacks.py)
             path = os.path.join(self._log_dir, name)
             if not os.path.isfile(path) or os.path.islink(path):
                 continue

@@ -116,7 +116,7 @@ def test_init_process_group_helper_uses_nccl_on_gpus():
 
 def test_warm_ranks_use_the_gpus_and_the_starter_holds_no_cuda_context():
 
-    from air_magic.backends.local import warm
+    from air_magic.node import warm
 
     fn = distributed(display="none")(_visible)
     fn.distributed()

@@ -30,7 +30,7 @@ def sleeper(out_dir):
 
 if __name__ == "__main__":
     if "--warm" in sys.argv:  # the ranks below are forked by the warm starter
-        from air_magic.backends.local import warm
+        from air_magic.node import warm
 
         warm.get_starter(wait_s=120)
         assert warm.get_starter() is not None, "the warm starter did not come up"

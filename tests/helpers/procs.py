@@ -52,7 +52,7 @@ def leftover_processes(timeout: float = LEFTOVER_WAIT_S) -> list[psutil.Process]
 
     The warm starter of this process is meant to stay (it is a cache); what it started is not.
     """
-    from air_magic.backends.local import warm
+    from air_magic.node import warm
 
     deadline = time.monotonic() + timeout
     while True:

@@ -27,7 +27,7 @@ def ready_starter() -> None:
 
     A call waits for the starter no longer than its own timeout, and then reports that no rank
     started: right for users, wrong for a test of what ranks do at a 3-second timeout."""
-    from air_magic.backends.local import warm
+    from air_magic.node import warm
 
     if warm.enabled():
         assert warm.get_starter(wait_s=120) is not None, "the warm starter did not come up"

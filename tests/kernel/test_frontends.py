@@ -14,7 +14,7 @@ import pytest
 from helpers.modules import lazy, skip_unless_installed
 
 import air_magic
-from air_magic.launch.failures import CPU_MODE_HINT
+from air_magic.outcome.failures import CPU_MODE_HINT
 
 pytestmark = skip_unless_installed("nbformat", "nbclient", "nbconvert", "ipywidgets")
 nbformat = lazy("nbformat")

@@ -16,8 +16,8 @@ from helpers.ranks import mlflow_status, ready_starter
 
 import air_magic
 from air_magic.errors import ConfigurationError, DistributedTimeoutError, LaunchError
-from air_magic.launch import stacks as stack_taking
 from air_magic.launch.accelerators import GPU, AcceleratorPlan
+from air_magic.outcome import stacks as stack_taking
 
 fault = pytest.mark.fault
 

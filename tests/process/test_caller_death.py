@@ -85,7 +85,7 @@ def printer(flags):
             time.sleep(0.001)  # fast, but a read of the caller's never splits a line (a full pipe)
 
 if sys.argv[3] == "warm":  # the ranks below are forked by the warm starter
-    from air_magic.backends.local import warm
+    from air_magic.node import warm
 
     assert warm.get_starter(wait_s=120) is not None, "the warm starter did not come up"
 printer.distributed(sys.argv[2])
@@ -142,7 +142,7 @@ def flood(flags):
         print("x" * 200, flush=True)  # blocks once the pipe is full and nobody reads it
 
 if sys.argv[3] == "warm":
-    from air_magic.backends.local import warm
+    from air_magic.node import warm
 
     assert warm.get_starter(wait_s=120) is not None, "the warm starter did not come up"
 flood.distributed(sys.argv[2])

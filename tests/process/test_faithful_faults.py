@@ -14,8 +14,8 @@ from helpers.ranks import raise_everywhere_at_once, run_ranks
 
 import air_magic
 from air_magic import distributed, restart_warm_start
-from air_magic.backends.local import warm
 from air_magic.errors import ConfigurationError, DistributedTimeoutError, RankFailedError
+from air_magic.node import warm
 
 fault = pytest.mark.fault
 

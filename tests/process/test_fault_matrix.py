@@ -20,7 +20,7 @@ from helpers.ranks import run_ranks as run
 
 import air_magic
 from air_magic import distributed
-from air_magic.backends.local import warm
+from air_magic.node import warm
 
 fault = pytest.mark.fault
 

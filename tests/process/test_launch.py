@@ -437,8 +437,8 @@ def test_a_caller_holding_1200_open_files_launches_warm_and_fresh(tmp_path):
 
 
 def test_a_store_host_that_fails_leaves_nothing_and_the_caller_serves_the_store():
-    from air_magic.backends.local import warm
-    from air_magic.backends.local.rendezvous import RendezvousStore
+    from air_magic.node import warm
+    from air_magic.node.rendezvous import RendezvousStore
 
     starter = warm.get_starter(wait_s=120)
     assert starter is not None

@@ -17,8 +17,8 @@ from helpers.paths import script
 
 import air_magic
 from air_magic import distributed, paths
-from air_magic.backends.local import warm
 from air_magic.errors import ConfigurationError
+from air_magic.node import warm
 from air_magic.protocol import wire
 from air_magic.worker import entry as rank_entry
 

@@ -9,7 +9,7 @@ import psutil
 import pytest
 
 from air_magic import distributed, restart_warm_start
-from air_magic.backends.local import warm
+from air_magic.node import warm
 
 
 def _who_am_i():

@@ -21,9 +21,9 @@ import pytest
 from helpers.ranks import ready_starter
 
 from air_magic import distributed
-from air_magic.backends.local import warm
 from air_magic.calls.history import last_run
 from air_magic.errors import DistributedTimeoutError
+from air_magic.node import warm
 
 MODES = [pytest.param(True, id="warm"), pytest.param(False, id="fresh")]
 

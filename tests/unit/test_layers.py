@@ -35,6 +35,8 @@ LAYER_OF = {
     "air_magic.worker": "worker",
     "air_magic.data": "data",
     "air_magic.launch": "launch",
+    "air_magic.outcome": "outcome",
+    "air_magic.node": "node",
     "air_magic.backends": "backends",
     "air_magic.display": "display",
     "air_magic.tracking": "tracking",
@@ -54,17 +56,22 @@ JOBS = {
     "surface": "what the user calls",
     "calls": "the one place that picks a backend and wires the consumers of a call; where it runs "
     "(foreground, a background thread, a detached supervisor, a persistent session)",
-    "backends": "how ranks start, are watched and stop: one call loop, one rank group per node",
+    "backends": "how a call's ranks are placed and followed: one call loop; the local backend, the Ray "
+    "backend and its agents, the scripted one for tests",
+    "node": "what runs on each node: its rank group (start, watch, stop), the warm starter, the "
+    "rendezvous store, a session's pipes; the same for the local backend and a Ray agent",
     "display": "show a call; never drives processes",
     "tracking": "record a call in MLflow; never drives processes",
-    "launch": "what to run and where, and how a call ended (the one outcome ledger and root-cause rule); "
+    "outcome": "how a call ended: the one ledger of its ranks' facts and the root-cause rule, its texts, "
+    "its ranks' stacks; knows no backend",
+    "launch": "what to run and where: settings, accelerators, payload, each rank's environment; "
     "knows no backend",
     "data": "a library for training code inside a rank (docs/data.md)",
     "worker": "runs inside a rank",
     "base": "the error tree; every folder name; private files; the one stop-a-tree function",
     "protocol": "what caller, backends and ranks agree on",
 }
-BELOW_CALLS = {"display", "tracking", "launch", "worker", "protocol", "base"}
+BELOW_CALLS = {"display", "tracking", "outcome", "launch", "worker", "protocol", "base"}
 # What each layer may import besides itself.
 MAY_IMPORT = {
     "protocol": set(),
@@ -72,12 +79,14 @@ MAY_IMPORT = {
     "worker": {"protocol", "air_magic.errors"},  # the rank side: nothing of the caller's
     "data": {"worker", "protocol", "base"},  # rank-side library: nothing of the caller's
     "launch": {"protocol", "base"},
-    "backends": {"launch", "worker", "protocol", "base"},
-    "display": {"launch", "protocol", "base"},  # consumers never drive processes
-    "tracking": {"launch", "protocol", "base"},
-    "calls": {"backends"} | BELOW_CALLS,
+    "outcome": {"launch", "protocol", "base"},
+    "node": {"outcome", "launch", "worker", "protocol", "base"},
+    "backends": {"node", "outcome", "launch", "worker", "protocol", "base"},
+    "display": {"outcome", "launch", "protocol", "base"},  # consumers never drive processes
+    "tracking": {"outcome", "launch", "protocol", "base"},
+    "calls": {"backends", "node"} | BELOW_CALLS,
     "surface": {"calls"} | BELOW_CALLS,  # never a backend: the call layer picks it
-    "face": {"surface", "calls", "backends"} | BELOW_CALLS,
+    "face": {"surface", "calls", "backends", "node"} | BELOW_CALLS,
 }
 
 
@@ -229,7 +238,7 @@ def test_every_module_has_a_layer():
 
 
 def test_a_module_in_no_layer_is_caught():
-    assert unplaced(["air_magic", "air_magic.launch.ledger", "air_magic.newthing"]) == ["air_magic.newthing"]
+    assert unplaced(["air_magic", "air_magic.outcome.ledger", "air_magic.newthing"]) == ["air_magic.newthing"]
 
 
 def table(package: Path = PACKAGE) -> str:

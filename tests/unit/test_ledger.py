@@ -1,7 +1,7 @@
 """The one outcome rule, driven by scripted ranks: the public fake backend, no process started.
 
-``launch/ledger.py`` decides how each rank ended and what the call's outcome is,
-``launch/failures.root_cause_order`` which failure is the root cause, and
+``outcome/ledger.py`` decides how each rank ended and what the call's outcome is,
+``outcome/failures.root_cause_order`` which failure is the root cause, and
 ``backends/call_loop.CallLoop`` is the template every backend runs. Here
 ``backends/scripted.ScriptedBackend`` plays each rank's script through that
 template as a backend's rank groups would report it, so each rule is checked in
@@ -22,9 +22,9 @@ from air_magic.backends.call_loop import GRACE_S
 from air_magic.backends.scripted import Rank, ScriptedBackend
 from air_magic.errors import DistributedTimeoutError, PayloadError, RankFailedError
 from air_magic.launch.accelerators import AcceleratorPlan
-from air_magic.launch.failures import RankFailure, root_cause_order
-from air_magic.launch.ledger import CallLedger, RankRecord, classify_exit, timeout_error
 from air_magic.launch.request import LaunchRequest, RunResult
+from air_magic.outcome.failures import RankFailure, root_cause_order
+from air_magic.outcome.ledger import CallLedger, RankRecord, classify_exit, timeout_error
 from air_magic.protocol import serialization
 from air_magic.protocol.events import EventBus, RankMetrics, RankStarted, RankState, RunFinished
 from air_magic.protocol.node_events import Exited, GroupDone, Metrics, NodeLost
@@ -229,7 +229,7 @@ def test_the_timeout_names_each_running_rank_its_last_lines_and_its_stack():
     assert "timed out after 0.3 s (timeout=0.3); every rank was stopped." in text
     assert "rank 0 was still running; its last lines:\n      step 41\n      step 42" in text
     assert "rank 1 had returned but was still exiting" in text
-    assert "\n  rank 1:\n" in text  # its stack, taken before the stop (launch/stacks.timeout_section)
+    assert "\n  rank 1:\n" in text  # its stack, taken before the stop (outcome/stacks.timeout_section)
     assert result.error.still_running == [0, 1]
 
 

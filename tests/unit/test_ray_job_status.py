@@ -36,8 +36,8 @@ def test_a_jobs_status_and_exit_code_say_how_the_run_ended(status, code, node, s
 
 def test_a_result_travels_as_json_and_comes_back_as_a_local_attach_raises_it():
     from air_magic.errors import LaunchError, RankFailedError, RemoteTraceback
-    from air_magic.launch import result_text
     from air_magic.launch.request import RunResult
+    from air_magic.outcome import result_text
     from air_magic.protocol.events import Outcome
 
     done = result_text.from_json(

@@ -8,8 +8,8 @@ import pytest
 from air_magic.backends.ray.placement import listing, plan_shape
 from air_magic.errors import AcceleratorError, ConfigurationError
 from air_magic.launch.accelerators import parse_accelerator_type
-from air_magic.launch.failures import is_collateral
 from air_magic.launch.settings import make_settings
+from air_magic.outcome.failures import is_collateral
 
 
 def node(node_id: str, gpus: float = 0, cpus: float = 8, alive: bool = True, model: str | None = None):

@@ -10,7 +10,7 @@ The flow of one call here::
         2. one rank group (rank_group.py): a private call folder (0700) with launch.json and
            the payload, one process per rank (a fork of the ready starter, or a fresh
            ``sys.executable``), watched until the end, stopped, the folder removed
-        3. the outcome, from the ledger (launch/ledger.py)
+        3. the outcome, from the ledger (outcome/ledger.py)
     LocalBackend.stop()             from any thread: the loop stops every rank, as on Ctrl-C
 
 Two modes behind one class: ``warm_start=True`` (``local-warm``) forks ranks from
@@ -21,11 +21,11 @@ the starter when it is ready and starts fresh ones otherwise; ``warm_start=False
 from __future__ import annotations
 
 from air_magic import private_files
-from air_magic.backends.local import warm
 from air_magic.backends.local.local_call import LocalCall
 from air_magic.launch.accelerators import AcceleratorPlan, plan_accelerators
 from air_magic.launch.request import LaunchRequest, RunResult, StopRequest
 from air_magic.launch.settings import LaunchSettings
+from air_magic.node import warm
 from air_magic.protocol.events import EventBus
 
 

@@ -1,7 +1,7 @@
 """The local backend's call: one rank group on this machine, driven by the caller's own thread.
 
 The template (``backends/call_loop.py``) follows the call; this fills in its
-hooks with one :class:`~air_magic.backends.local.rank_group.RankGroup` run
+hooks with one :class:`~air_magic.node.rank_group.RankGroup` run
 in-process: :meth:`LocalCall.start` makes the rendezvous store and the group
 (its call folder, its ranks), :meth:`LocalCall.pump` is one round of the
 group's selector, whose facts go straight to the ledger. No thread is added:
@@ -16,11 +16,11 @@ import signal
 import time
 
 from air_magic.backends.call_loop import CallLoop
-from air_magic.backends.local import warm
-from air_magic.backends.local.rank_group import GroupSpec, RankGroup
-from air_magic.backends.local.rendezvous import HOST_READY_S, LOOPBACK, RendezvousStore
 from air_magic.errors import DistributedTimeoutError, LaunchError
 from air_magic.launch.request import LaunchRequest, StopRequest
+from air_magic.node import warm
+from air_magic.node.rank_group import GroupSpec, RankGroup
+from air_magic.node.rendezvous import HOST_READY_S, LOOPBACK, RendezvousStore
 from air_magic.protocol.events import EventBus
 from air_magic.protocol.node_events import NodeEvent
 

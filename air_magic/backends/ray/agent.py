@@ -6,7 +6,7 @@ call's placement group (placement.py). For a call the agent
 1. writes the call folder on its node (0700): ``launch.json`` and the payload,
    which came from the caller's object store once (``ray.put``);
 2. starts and watches its ranks with the local backend's own rank group
-   (``backends/local/rank_group.py``, on a thread of its own): forks of a warm
+   (``node/rank_group.py``, on a thread of its own): forks of a warm
    starter that lives in the agent (torch imported once per node, not per
    call), or fresh interpreters, each with torchrun's variables for its place in
    the world and a lifeline whose EOF kills it when the agent dies;
@@ -40,10 +40,10 @@ from dataclasses import asdict
 from typing import Any, NoReturn
 
 from air_magic import paths, private_files
-from air_magic.backends.local import warm
-from air_magic.backends.local.rank_group import GroupSpec, RankGroup
-from air_magic.backends.local.rendezvous import RendezvousStore
 from air_magic.launch.accelerators import detect_gpus
+from air_magic.node import warm
+from air_magic.node.rank_group import GroupSpec, RankGroup
+from air_magic.node.rendezvous import RendezvousStore
 from air_magic.protocol.node_events import NodeEvent, NodeLost
 
 CALLER_SILENT_S = 30.0  # a running call whose caller stopped polling this long is stopped
@@ -194,7 +194,7 @@ class NodeAgent:
         return call if call is not None and call.run_id == run_id else None
 
     def stacks(self, run_id: str) -> dict[int, str]:
-        """The thread stacks of this node's running ranks of call ``run_id`` (launch/stacks.py)."""
+        """The thread stacks of this node's running ranks of call ``run_id`` (outcome/stacks.py)."""
         call = self._call_of(run_id)
         return call.stacks() if call is not None else {}
 

@@ -12,13 +12,13 @@
 
 from __future__ import annotations
 
-from air_magic.backends.local import warm
 from air_magic.backends.ray import cluster, placement
 from air_magic.backends.ray.run_loop import RayCall
 from air_magic.errors import LaunchError
 from air_magic.launch.accelerators import AcceleratorPlan
 from air_magic.launch.request import LaunchRequest, RunResult, StopRequest
 from air_magic.launch.settings import LaunchSettings
+from air_magic.node import warm
 from air_magic.protocol.events import EventBus
 
 

@@ -10,7 +10,7 @@ hooks for the agents that placement.py reserved::
     stop(): every agent stops its ranks; their exits are taken in
     finish(): every agent removes its call folder and closes the store
 
-Which failure is the root cause is the ledger's one rule (launch/failures.py):
+Which failure is the root cause is the ledger's one rule (outcome/failures.py):
 across machines, arrival order says little (a rank killed on one node and the
 collective error it causes on another arrive within the same poll), so a
 rank's own failure comes before the collateral errors of the others, then time
@@ -26,10 +26,10 @@ import time
 from typing import Any
 
 from air_magic.backends.call_loop import TICK_S, CallLoop
-from air_magic.backends.local.rank_group import GroupSpec
 from air_magic.backends.ray.placement import Pool
 from air_magic.errors import DistributedTimeoutError, LaunchError
 from air_magic.launch.request import LaunchRequest, StopRequest
+from air_magic.node.rank_group import GroupSpec
 from air_magic.protocol.events import EventBus
 
 POLL_S = 0.5  # an agent's long poll returns at once when it has news, else after this

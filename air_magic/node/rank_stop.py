@@ -17,8 +17,8 @@ import signal
 import threading
 import time
 
-from air_magic.backends.local.rank_watch import RankWatch
-from air_magic.backends.local.ranks import send_signal
+from air_magic.node.rank_watch import RankWatch
+from air_magic.node.ranks import send_signal
 from air_magic.process_tree import stop_trees
 
 FAILURE_GRACE_S = 3.0  # a stop's grace after a failure or a timeout (output is pumped only beyond it)

@@ -26,8 +26,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from air_magic.backends.local.ranks import ForkedRank, FreshRank, RankPipes, RankSlot
-from air_magic.backends.local.session_pipes import SessionPipes
+from air_magic.node.ranks import ForkedRank, FreshRank, RankPipes, RankSlot
+from air_magic.node.session_pipes import SessionPipes
 from air_magic.process_tree import DescendantTracker
 from air_magic.protocol import wire
 from air_magic.protocol.elastic_error_file import error_file_path, record_from_error_file

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import psutil
 
-from air_magic.backends.local import warm
+from air_magic.node import warm
 from air_magic.protocol import env_names, wire
 from air_magic.protocol.events import RankState
 from air_magic.worker import entry

@@ -1,6 +1,6 @@
 """The warm starter process: imports torch once, then forks clean ranks on request.
 
-Started by :mod:`air_magic.backends.local.warm` as ``python -c ... <control fd> <preload json>``.
+Started by :mod:`air_magic.node.warm` as ``python -c ... <control fd> <preload json>``.
 It imports the preload list (torch by default) and **never initialises CUDA**,
 so a forked rank is as clean as a fresh process, minus the import time. It
 talks to its caller over one AF_UNIX SOCK_SEQPACKET socket:
@@ -268,7 +268,7 @@ def _become_rank(
 def _become_store_host(
     request: dict[str, Any], fds: list[int], sock: socket.socket, wake_r: int, wake_w: int
 ) -> NoReturn:
-    """Host a call's rendezvous store (backends/local/rendezvous.py) until the caller's lifeline ends.
+    """Host a call's rendezvous store (node/rendezvous.py) until the caller's lifeline ends.
 
     The caller bound the listening socket; this fork already has torch, so the caller never
     imports it for the store. ``fds``: the listening socket, the lifeline's read end, and the
@@ -278,7 +278,7 @@ def _become_store_host(
     try:
         listener, lifeline_r, ready_w = fds
         _leave_starter(sock, wake_r, wake_w, signal.SIG_IGN)  # the caller ends it, by its lifeline
-        from air_magic.backends.local.rendezvous import tcp_store_server
+        from air_magic.node.rendezvous import tcp_store_server
 
         store = tcp_store_server(
             request["host"], request["port"], request["world_size"], request["timeout_s"], listener

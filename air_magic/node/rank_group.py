@@ -27,7 +27,7 @@ a Ray node's agent runs the same class on a thread of its own
 This class is the face the local call and the Ray agent use; it makes the call
 folder and the three parts, and runs the watch thread of a Ray node's group.
 What the facts mean (how a rank ended, the root cause, the outcome) is decided
-once, by the caller's ledger (``launch/ledger.py``).
+once, by the caller's ledger (``outcome/ledger.py``).
 """
 
 from __future__ import annotations
@@ -41,14 +41,14 @@ import traceback
 from collections.abc import Callable
 
 from air_magic import private_files
-from air_magic.backends.local import warm
-from air_magic.backends.local.group_spec import GroupSpec
-from air_magic.backends.local.rank_start import RankStart, write_call_files
-from air_magic.backends.local.rank_stop import RankStop
-from air_magic.backends.local.rank_watch import TICK_S, RankWatch
-from air_magic.backends.local.session_pipes import SessionPipes
-from air_magic.backends.output import ensure_open_files
-from air_magic.launch.stacks import take_stacks
+from air_magic.node import warm
+from air_magic.node.group_spec import GroupSpec
+from air_magic.node.open_files import ensure_open_files
+from air_magic.node.rank_start import RankStart, write_call_files
+from air_magic.node.rank_stop import RankStop
+from air_magic.node.rank_watch import TICK_S, RankWatch
+from air_magic.node.session_pipes import SessionPipes
+from air_magic.outcome.stacks import take_stacks
 from air_magic.protocol.node_events import NodeEvent
 
 __all__ = ["GroupSpec", "RankGroup"]
@@ -150,7 +150,7 @@ class RankGroup:
         self.watch.finish()
 
     def stacks(self, why: str = "on request") -> dict[int, str]:
-        """Every running rank's thread stacks (launch/stacks.py), from any thread. The ranks write
+        """Every running rank's thread stacks (outcome/stacks.py), from any thread. The ranks write
         signal dumps to the call's log folder, which exists on the caller's node; elsewhere they
         go to the call folder (and only py-spy's reading is sent back)."""
         log_dir = self.spec.log_dir if os.path.isdir(self.spec.log_dir) else self.call_dir

@@ -54,7 +54,7 @@ from air_magic.protocol import env_names
 
 _BOOTSTRAP = (
     "import json,sys;sys.path[:]=json.loads(sys.argv[3]);"
-    "from air_magic.backends.local.starter_main import main;main(int(sys.argv[1]),json.loads(sys.argv[2]))"
+    "from air_magic.node.starter_main import main;main(int(sys.argv[1]),json.loads(sys.argv[2]))"
 )
 _lock = threading.Lock()
 _starter: Starter | None = None

@@ -20,11 +20,11 @@ import sys
 import time
 from collections.abc import Callable
 
-from air_magic.backends.local import warm
-from air_magic.backends.local.group_spec import GroupSpec
-from air_magic.backends.local.rank_stop import RankStop
-from air_magic.backends.local.rank_watch import TICK_S, RankWatch
-from air_magic.backends.local.ranks import spawn_rank
+from air_magic.node import warm
+from air_magic.node.group_spec import GroupSpec
+from air_magic.node.rank_stop import RankStop
+from air_magic.node.rank_watch import TICK_S, RankWatch
+from air_magic.node.ranks import spawn_rank
 from air_magic.protocol import wire
 
 

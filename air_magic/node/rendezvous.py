@@ -26,7 +26,7 @@ import socket
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from air_magic.backends.local.warm import Starter
+    from air_magic.node.warm import Starter
 
 LOOPBACK = "127.0.0.1"
 HOST_READY_S = 60.0  # a fork with torch makes the store in milliseconds; one importing torch, seconds

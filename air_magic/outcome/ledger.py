@@ -7,7 +7,7 @@ keeps one :class:`RankRecord` per rank and turns the facts into the call's
 events (``RankStarted``, ``RankOutput`` through the output router, ``RankExited``
 with the one rule of how a rank ended, :func:`classify_exit`) and, at the end,
 into its outcome: the values in rank order, or the error (the root cause by
-``launch/failures.root_cause_order``; the timeout's and the stop's texts here).
+``outcome/failures.root_cause_order``; the timeout's and the stop's texts here).
 
 Clocks: a node reports its own ``time.monotonic()``; ``clocks[node]`` turns it
 into one clock for the whole call (0 on the caller's machine, the node's offset
@@ -24,15 +24,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from air_magic.errors import DistributedTimeoutError, LaunchError, PayloadError
-from air_magic.launch.failures import (
+from air_magic.launch.request import LaunchRequest, rank_succeeded
+from air_magic.outcome.failures import (
     RankFailure,
     build_exception,
     exit_words,
     raised_on_its_own,
     root_cause_order,
 )
-from air_magic.launch.request import LaunchRequest, rank_succeeded
-from air_magic.launch.stacks import timeout_section
+from air_magic.outcome.stacks import timeout_section
 from air_magic.protocol import serialization
 from air_magic.protocol.events import CellAnswered, EventBus, RankExited, RankMetrics, RankStarted, RankState
 from air_magic.protocol.node_events import (
@@ -258,7 +258,7 @@ class CallLedger:
         return load_results(self.request, [(r.rank, r.result) for r in self.records])
 
     def failure_error(self) -> BaseException:
-        """The root cause's exception (launch/failures.py), once every rank is accounted for."""
+        """The root cause's exception (outcome/failures.py), once every rank is accounted for."""
         failures: list[RankFailure] = []
         for r in self.records:
             if r.state is not RankState.FAILED:
