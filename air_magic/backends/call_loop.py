@@ -27,7 +27,7 @@ from abc import ABC, abstractmethod
 
 from air_magic.backends.output import OutputRouter, make_log_dir
 from air_magic.errors import DistributedTimeoutError, PayloadError
-from air_magic.launch.request import LaunchRequest, RunResult, StopRequest, new_run_id
+from air_magic.launch.request import LaunchRequest, RunResult, StopRequest, new_call_id
 from air_magic.node.open_files import ensure_open_files
 from air_magic.outcome.ledger import CallLedger, stopped_error
 from air_magic.outcome.stacks import discard_rank_files
@@ -56,8 +56,8 @@ class CallLoop(ABC):
     ):
         self.request = request
         self.bus = bus
-        self.run_id = run_id = request.run_id or new_run_id()
-        self.log_dir = log_dir = make_log_dir(request.log_root, run_id)
+        self.call_id = call_id = request.call_id or new_call_id()
+        self.log_dir = log_dir = make_log_dir(request.log_root, call_id)
         self.stop_requested = stop_requested
         self.world = request.plan.world_size
         ensure_open_files(self.world)  # the logs below, and each rank's pipes and pidfd
@@ -78,7 +78,7 @@ class CallLoop(ABC):
         # run.json says what runs from its first moment (`air-magic runs`).
         bus.emit(
             RunStarted(
-                run_id=run_id,
+                call_id=call_id,
                 world_size=self.world,
                 backend=request.plan.backend,
                 detected=request.plan.detected,
@@ -184,7 +184,7 @@ class CallLoop(ABC):
                     outcome, said, failed_rank = self.request.channel.own_outcome(outcome, said, failed_rank)
                 self.bus.emit(
                     RunFinished(
-                        run_id=self.run_id,
+                        call_id=self.call_id,
                         outcome=outcome,
                         elapsed=time.monotonic() - self.started,
                         log_dir=self.log_dir,
@@ -194,7 +194,7 @@ class CallLoop(ABC):
                 )
 
     def _result(self, outcome: Outcome, **kwargs: object) -> RunResult:
-        return RunResult(self.run_id, self.log_dir, outcome, **kwargs)  # type: ignore[arg-type]
+        return RunResult(self.call_id, self.log_dir, outcome, **kwargs)  # type: ignore[arg-type]
 
     def _watch(self) -> Outcome:
         """Follow the ranks; SUCCEEDED, FAILED, TIMEOUT or INTERRUPTED (stop())."""

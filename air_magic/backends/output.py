@@ -43,10 +43,10 @@ TAIL_LINES = 20  # last lines kept per rank for error messages (which show 5 to 
 _LOG_ROOT_FIX = "Pass log_dir= (or set AIR_MAGIC_LOG_DIR) to a folder only you can write"
 
 
-def make_log_dir(root: str | None, run_id: str) -> str:
+def make_log_dir(root: str | None, call_id: str) -> str:
     """Create the run's private log folder (0700); prune old runs under the default root."""
     base = root or paths.default_log_root()
-    path = os.path.join(base, run_id)
+    path = os.path.join(base, call_id)
     try:
         os.makedirs(base, mode=0o700, exist_ok=True)
         # Ours alone, or refused: another user who can write it could plant links we would follow.

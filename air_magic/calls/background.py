@@ -113,7 +113,7 @@ class RunHandle:
         self._began = min(began, self._started) if began is not None else self._started
         self._elapsed: float | None = None
         self.log_dir: str | None = None
-        self.run_id: str | None = None
+        self.call_id: str | None = None  # the call's id (its log folder's name), once it started
         self.rank_states: dict[int, str] = {}
         self.rank_pids: dict[int, int] = {}  # rank -> pid, as each rank starts
         self.detached_id: str | None = None  # a detached run's id (calls/detached.py), for attach()
@@ -128,6 +128,11 @@ class RunHandle:
     @property
     def status(self) -> str:
         return self._status
+
+    @property
+    def run_id(self) -> str | None:
+        """The former name of :attr:`call_id`."""
+        return self.call_id
 
     @property
     def started(self) -> float:
@@ -160,7 +165,7 @@ class RunHandle:
         """The ended call as a :class:`RunResult` (its outcome, values or error)."""
         self._finished.wait()
         if self._error is not None:
-            return RunResult(self.run_id or "", self.log_dir or "", Outcome.FAILED, error=self._error)
+            return RunResult(self.call_id or "", self.log_dir or "", Outcome.FAILED, error=self._error)
         assert self._result is not None
         return self._result
 
@@ -276,7 +281,7 @@ class RunHandle:
 
     def handle(self, event: Event) -> None:
         if isinstance(event, RunStarted):
-            self.log_dir, self.run_id = event.log_dir, event.run_id
+            self.log_dir, self.call_id = event.log_dir, event.call_id
             self._status = Outcome.RUNNING
             self._redraw(force=True)
         elif isinstance(event, RankStarted):

@@ -98,7 +98,7 @@ def prepare_call(
 ) -> PreparedCall:
     """Steps 1-5 up to the wait for the MLflow run: everything that can refuse the call, on the
     caller's thread (a background call raises here, before its handle exists)."""
-    inside = os.environ.get(env_names.RUN_ID)
+    inside = os.environ.get(env_names.CALL_ID)
     if inside:
         raise ConfigurationError(
             f"{name}.distributed() was called inside rank {os.environ.get('RANK', '?')} of run {inside}: "
@@ -156,7 +156,7 @@ class PreparedCall:
     # What its MLflow run records (a detached run's supervisor creates the run from it).
     facts: tracking.CallFacts | None = None
     kind: str = "function"  # 'function' or 'cell'; from the command line also 'script' or 'module'
-    run_id: str | None = None  # the call's id if chosen before it runs (a detached run's); else the backend's
+    call_id: str | None = None  # the call's id if chosen before it runs (a detached run's); else backend's
     channel: CellChannel | None = None  # a persistent session's pipes to its ranks (calls/persistent.py)
     record: RecordLink | None = None  # its tracked run's link, once run() has it (before the ranks start)
 
@@ -190,7 +190,7 @@ class PreparedCall:
                 exit_zero_succeeds=self.kind in ("script", "module"),
                 env={**_mlflow_env(run_owner, tracked), **self.settings.env},
                 log_root=self.settings.log_dir,
-                run_id=self.run_id,
+                call_id=self.call_id,
                 channel=self.channel,
             )
             wired: list[Consumer] = [RunHistory(), *displays, *consumers]

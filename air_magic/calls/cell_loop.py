@@ -135,7 +135,7 @@ class CellLoop:
         if session.record is not None:
             bus.emit(session.record)
         bus.emit(session.state_event(number))  # then the header is made with it
-        bus.emit(dataclasses.replace(started, run_id=f"{session.id}.{number}", name=name))
+        bus.emit(dataclasses.replace(started, call_id=f"{session.id}.{number}", name=name))
         for rank, pid in sorted(session.pids.items()):
             bus.emit(RankStarted(rank=rank, pid=pid))
         session_steps.log_cell_source(session.tracked(), number, kind, source)
@@ -166,8 +166,8 @@ class CellLoop:
         finally:
             self._close(cell, outcome, error)
         if error is not None:
-            return RunResult(started.run_id, started.log_dir, outcome, error=error)
-        return RunResult(started.run_id, started.log_dir, outcome, values=cell.values())
+            return RunResult(started.call_id, started.log_dir, outcome, error=error)
+        return RunResult(started.call_id, started.log_dir, outcome, values=cell.values())
 
     def _follow(self, cell: SessionCell, limit: float | None) -> tuple[Outcome, BaseException | None]:
         """Wait for every rank's answer; interrupt the stragglers after an error or the timeout."""
@@ -278,7 +278,7 @@ class CellLoop:
         failed_rank = root_cause_rank(error) if outcome is Outcome.FAILED else None
         cell.bus.emit(
             RunFinished(
-                run_id=f"{session.id}.{cell.number}",
+                call_id=f"{session.id}.{cell.number}",
                 outcome=outcome,
                 elapsed=time.monotonic() - cell.started,
                 log_dir=session.log_dir or "",

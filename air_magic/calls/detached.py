@@ -119,17 +119,17 @@ def root() -> str:
 
 def start_detached(prepared: Any, on_result: Any = None, consumers: Sequence[Any] = ()) -> RunHandle:
     """Hand ``prepared`` to a new supervisor; follow it here. Returns at once."""
-    from air_magic.launch.request import new_run_id
+    from air_magic.launch.request import new_call_id
 
-    run_id = new_run_id()
-    folder = os.path.join(root(), run_id)
+    call_id = new_call_id()
+    folder = os.path.join(root(), call_id)
     os.mkdir(folder, 0o700)
     try:
         _prune()
         request = request_for(prepared)
         wire.write_atomically(os.path.join(folder, REQUEST), serialization.dumps(request))
         # Written once here, before the supervisor exists; from then on the supervisor alone writes it.
-        write_state(folder, first_state(run_id, prepared))
+        write_state(folder, first_state(call_id, prepared))
         private_files.create_private_file(os.path.join(folder, EVENTS))  # a follower opens it at once
         log = private_files.open_private(
             os.path.join(folder, SUPERVISOR_LOG), os.O_WRONLY | os.O_APPEND | os.O_CREAT
@@ -169,10 +169,10 @@ def request_for(prepared: Any) -> DetachedRequest:
     )
 
 
-def first_state(run_id: str, prepared: Any) -> dict[str, Any]:
+def first_state(call_id: str, prepared: Any) -> dict[str, Any]:
     """A run's state.json before its supervisor runs."""
     return {
-        "id": run_id,
+        "id": call_id,
         "name": prepared.name,
         "status": "starting",
         "started": time.time(),
@@ -400,12 +400,12 @@ class FolderRun:
         return read_rank_log(log_dir, rank)
 
 
-def lost_text(folder: str, run_id: str) -> str:
+def lost_text(folder: str, call_id: str) -> str:
     """Why a detached run of this machine has no result: its supervisor is gone (one line)."""
     supervisor = _supervisor(folder)
     logs = (_read_state(folder) or {}).get("log_dir")
     return (
-        f"detached run {run_id} was lost: its supervisor (pid {supervisor[0] if supervisor else '?'}) "
+        f"detached run {call_id} was lost: its supervisor (pid {supervisor[0] if supervisor else '?'}) "
         "ended without a result, and its ranks with it. Its log: "
         f"{os.path.join(folder, SUPERVISOR_LOG)}" + (f"; the ranks' logs: {logs}" if logs else "")
     )
@@ -666,8 +666,8 @@ class RunStateWriter:
             update_state(
                 self.folder, mlflow=event.description, mlflow_url=event.url, mlflow_run_id=event.run_id
             )
-        elif isinstance(event, RunStarted):
-            update_state(self.folder, status=Outcome.RUNNING, log_dir=event.log_dir, run_id=event.run_id)
+        elif isinstance(event, RunStarted):  # state.json's key for the call's id stays "run_id"
+            update_state(self.folder, status=Outcome.RUNNING, log_dir=event.log_dir, run_id=event.call_id)
         elif isinstance(event, RunFinished):
             outcome = Outcome.CANCELLED if event.outcome == Outcome.INTERRUPTED else event.outcome
             update_state(self.folder, status=outcome, elapsed=event.elapsed, error=event.error)

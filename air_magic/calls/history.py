@@ -24,7 +24,7 @@ KEEP = 50  # calls remembered per process (last_run() needs one; %distributed st
 
 @dataclass
 class RunInfo:
-    run_id: str
+    call_id: str  # the call's id (its log folder's name); its MLflow run's is mlflow_run_id
     name: str
     world_size: int
     log_dir: str
@@ -37,6 +37,12 @@ class RunInfo:
     tracking: str | None = None  # the MLflow run, in words
     tracking_url: str | None = None
     mlflow_run_id: str | None = None
+    failed_rank: int | None = None  # the root cause's rank (the ledger's rule), when it failed
+
+    @property
+    def run_id(self) -> str:
+        """The former name of :attr:`call_id`."""
+        return self.call_id
 
     def log_path(self, rank: int) -> str:
         return paths.rank_log(self.log_dir, rank)
@@ -59,7 +65,7 @@ class RunHistory:
         if isinstance(event, RecordLink):
             self._record = event
         elif isinstance(event, RunStarted):
-            self._current = RunInfo(event.run_id, event.name, event.world_size, event.log_dir)
+            self._current = RunInfo(event.call_id, event.name, event.world_size, event.log_dir)
             if self._record is not None:
                 self._current.tracking = self._record.description
                 self._current.tracking_url = self._record.url
@@ -76,6 +82,7 @@ class RunHistory:
             self._current.outcome = event.outcome
             self._current.elapsed = event.elapsed
             self._current.error = event.error
+            self._current.failed_rank = event.failed_rank
             if self._summary:
                 _write_summary(self._current)
 
@@ -85,11 +92,21 @@ def last_run() -> RunInfo | None:
     return _runs[-1] if _runs else None
 
 
-_SUMMARY_FIELDS = ("run_id", "name", "world_size", "log_dir", "outcome", "elapsed", "error", "mlflow_run_id")
+_SUMMARY_FIELDS = (
+    "name",
+    "world_size",
+    "log_dir",
+    "outcome",
+    "elapsed",
+    "error",
+    "mlflow_run_id",
+    "failed_rank",
+)
 
 
 def _write_summary(info: RunInfo) -> None:
-    summary = {name: getattr(info, name) for name in _SUMMARY_FIELDS}
+    # "run_id": run.json's key for the call's id, as air-magic runs (and earlier versions) read it.
+    summary = {"run_id": info.call_id, **{name: getattr(info, name) for name in _SUMMARY_FIELDS}}
     summary["tracking_url"] = info.tracking_url
     # The process running the call (a kernel, a script, a detached run's supervisor): while it lives
     # and the outcome is "running", the log folder is never pruned (backends/output.py).

@@ -46,7 +46,7 @@ from air_magic.calls import detached
 from air_magic.calls.background import RunHandle
 from air_magic.display.widgets import make_consumers
 from air_magic.errors import ConfigurationError, LaunchError
-from air_magic.launch.request import RunResult, new_run_id
+from air_magic.launch.request import RunResult, new_call_id
 from air_magic.outcome import result_text
 from air_magic.protocol import env_names, event_log, serialization
 from air_magic.protocol.events import Outcome
@@ -69,9 +69,9 @@ def submit(
 ) -> RunHandle:
     """Submit ``prepared`` as a Ray job through ``client`` (the cluster's Jobs API at ``address``,
     checked by ``calls/runners.RayJob.prepare``); follow it here. Returns once the job is accepted."""
-    run_id = new_run_id()
+    call_id = new_call_id()
     request = detached.request_for(prepared)
-    state = detached.first_state(run_id, prepared)
+    state = detached.first_state(call_id, prepared)
     env = _job_env()
     # The grace as resolved here (TORCH_ELASTIC_SHUTDOWN_TIMEOUT...), so the cluster's is the same;
     # the caller's active MLflow run only where its store goes with the job.
@@ -87,22 +87,22 @@ def submit(
         runtime_env["working_dir"] = os.getcwd()  # the code beside it travels (Ray's rules: .gitignore...)
     try:
         with tempfile.TemporaryDirectory(prefix="air_magic-job-") as scratch, _quiet_uploads():
-            carried = os.path.join(scratch, request_module(run_id))
+            carried = os.path.join(scratch, request_module(call_id))
             os.mkdir(carried, 0o700)
             with open(os.path.join(carried, paths.DETACHED_REQUEST), "wb") as f:
                 f.write(serialization.dumps(request))
             runtime_env["py_modules"] = [carried]
             # exec: the supervisor is the process Ray watches and stops, not a shell above it.
-            entrypoint = f"exec {job_python()} -m air_magic.calls.supervisor --ray-job {shlex.quote(run_id)}"
+            entrypoint = f"exec {job_python()} -m air_magic.calls.supervisor --ray-job {shlex.quote(call_id)}"
             client.submit_job(
                 entrypoint=entrypoint,
-                submission_id=run_id,
+                submission_id=call_id,
                 runtime_env=runtime_env,
                 metadata=_metadata(state),
             )
     finally:
         prepared.abandon()
-    place = JobRun(client, run_id, address=address)
+    place = JobRun(client, call_id, address=address)
     return detached.follow_run(place, make_consumers(prepared.settings.display), on_result, consumers)
 
 
@@ -126,9 +126,9 @@ def job_python() -> str:
     return shlex.quote(os.environ.get(env_names.RAY_JOB_PYTHON) or ENTRYPOINT_PYTHON)
 
 
-def request_module(run_id: str) -> str:
+def request_module(call_id: str) -> str:
     """The name the request's folder travels under (a Ray ``py_modules`` entry is importable)."""
-    return "air_magic_request_" + run_id.replace("-", "_")
+    return "air_magic_request_" + call_id.replace("-", "_")
 
 
 def _metadata(state: dict[str, Any]) -> dict[str, str]:
@@ -150,7 +150,7 @@ def _job_env() -> dict[str, str]:
 # -- the cluster side (the job's supervisor) -----------------------------------------------
 
 
-def job_folders(run_id: str) -> tuple[str, str]:
+def job_folders(call_id: str) -> tuple[str, str]:
     """Connect to the job's cluster; (this run's folder, the rank logs' root) in the Ray session's
     logs folder on this node, where the dashboard serves them."""
     from air_magic.backends.ray import cluster
@@ -165,23 +165,23 @@ def job_folders(run_id: str) -> tuple[str, str]:
     root = private_files.private_root(
         os.path.join(logs, jobs_api.LOGS_SUBFOLDER), "the Ray job's log folder", "Remove it"
     )
-    folder = os.path.join(private_files.private_subfolder(os.path.join(root, JOBS_FOLDER)), run_id)
+    folder = os.path.join(private_files.private_subfolder(os.path.join(root, JOBS_FOLDER)), call_id)
     os.mkdir(folder, 0o700)
     return folder, root
 
 
-def take_request(run_id: str) -> detached.DetachedRequest:
+def take_request(call_id: str) -> detached.DetachedRequest:
     """The request that came with the job (its ``py_modules`` folder), if this air_magic can read it."""
     submitted_with = os.environ.get(env_names.SUBMITTED_WITH)
     if submitted_with is not None and submitted_with != __version__:
         raise ConfigurationError(
-            f"run {run_id} was submitted with air_magic {submitted_with}, but the cluster's Python "
+            f"run {call_id} was submitted with air_magic {submitted_with}, but the cluster's Python "
             f"({sys.executable}) has air_magic {__version__}: install the same version on the cluster's "
             f"nodes (or point {env_names.RAY_JOB_PYTHON} at a Python that has it), then submit again"
         )
-    spec = importlib.util.find_spec(request_module(run_id))
+    spec = importlib.util.find_spec(request_module(call_id))
     if spec is None or not spec.submodule_search_locations:
-        raise LaunchError(f"the request of run {run_id} did not come with its job (py_modules)")
+        raise LaunchError(f"the request of run {call_id} did not come with its job (py_modules)")
     folder = next(iter(spec.submodule_search_locations))
     with open(os.path.join(folder, paths.DETACHED_REQUEST), "rb") as f:
         request: detached.DetachedRequest = serialization.loads(f.read())
@@ -194,9 +194,9 @@ def take_request(run_id: str) -> detached.DetachedRequest:
 class JobRun:
     """A detached run that is a Ray job, read through the cluster's dashboard (a ``RunPlace``)."""
 
-    def __init__(self, client: Any, run_id: str, info: Any = None, address: str | None = None) -> None:
+    def __init__(self, client: Any, call_id: str, info: Any = None, address: str | None = None) -> None:
         self.client = client
-        self.id = run_id
+        self.id = call_id
         self.address = address
         self._info = info
         self._checked = time.monotonic() if info is not None else 0.0

@@ -82,7 +82,7 @@ class Runner(Protocol):
         """Start, and hand back the run's handle at once."""
         ...
 
-    def attach(self, run_id: str, display: str = "auto") -> Any:
+    def attach(self, call_id: str, display: str = "auto") -> Any:
         """The handle of a run this runner started, by its id."""
         ...
 
@@ -130,13 +130,13 @@ class InThisProcess:
 
         return background.start_background(prepared, on_result=on_result, consumers=consumers)
 
-    def attach(self, run_id: str, display: str = "auto") -> RunHandle:
+    def attach(self, call_id: str, display: str = "auto") -> RunHandle:
         from air_magic.calls import background
 
         for handle in background.running():
-            if handle.run_id == run_id:
+            if handle.call_id == call_id:
                 return handle
-        raise ConfigurationError(f"no run {run_id!r} is going on in the background of this process")
+        raise ConfigurationError(f"no run {call_id!r} is going on in the background of this process")
 
 
 def follow_to_the_end(handle: Any) -> RunResult:
@@ -175,10 +175,10 @@ class LocalSupervisor:
     def run(self, prepared: PreparedCall, consumers: Sequence[Consumer] = ()) -> RunResult:
         return follow_to_the_end(self.start(prepared, None, consumers))
 
-    def attach(self, run_id: str, display: str = "auto") -> RunHandle:
+    def attach(self, call_id: str, display: str = "auto") -> RunHandle:
         from air_magic.calls import detached
 
-        return detached.attach(run_id, display)
+        return detached.attach(call_id, display)
 
 
 class RayJob:
@@ -209,7 +209,7 @@ class RayJob:
     def run(self, prepared: PreparedCall, consumers: Sequence[Consumer] = ()) -> RunResult:
         return follow_to_the_end(self.start(prepared, None, consumers))
 
-    def attach(self, run_id: str, display: str = "auto") -> RunHandle:
+    def attach(self, call_id: str, display: str = "auto") -> RunHandle:
         from air_magic.calls import ray_jobs
 
-        return ray_jobs.attach(run_id, self.address, display)
+        return ray_jobs.attach(call_id, self.address, display)

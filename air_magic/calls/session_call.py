@@ -32,7 +32,7 @@ from air_magic.backends.output import RankTail
 from air_magic.calls import call
 from air_magic.calls.session_cell import SessionCell
 from air_magic.errors import SessionEndedError
-from air_magic.launch.request import CellSender, RunResult, new_run_id
+from air_magic.launch.request import CellSender, RunResult, new_call_id
 from air_magic.launch.settings import LaunchSettings
 from air_magic.protocol.events import (
     CellAnswered,
@@ -103,7 +103,7 @@ class SessionCall:
     def __init__(self, settings: LaunchSettings, name: str, backend: Backend | None = None):
         self.settings = settings
         self.name = name
-        self.id = new_run_id()
+        self.id = new_call_id()
         self.state = SessionStatus.NEW
         self.world_size = 0
         self.ended_why: str | None = None
@@ -142,7 +142,7 @@ class SessionCall:
             backend=self._given_backend,
         )
         prepared.channel = self
-        prepared.run_id = self.id
+        prepared.call_id = self.id
         self.prepared = prepared
         self.world_size = prepared.plan.world_size
         self.reset_tails()

@@ -91,12 +91,12 @@ def main(argv: list[str]) -> int:
         return _failed_before_the_call(folder, exc)
 
 
-def _main_job(run_id: str) -> int:
+def _main_job(call_id: str) -> int:
     from air_magic.backends.ray import placement
     from air_magic.backends.ray.backend import RayBackend
     from air_magic.calls import ray_jobs
 
-    placement.name_agents(run_id)  # a follower elsewhere asks them for stacks (backends/ray/job_stacks.py)
+    placement.name_agents(call_id)  # a follower elsewhere asks them for stacks (backends/ray/job_stacks.py)
 
     # ray.init() puts Ray's own SIGTERM handler in place (it logs and exits): a stop that comes
     # meanwhile waits (blocked), then reaches ours, so Ray's stop_job is a cancel here as a local
@@ -104,13 +104,13 @@ def _main_job(run_id: str) -> int:
     stops = {signal.SIGTERM, signal.SIGINT}
     signal.pthread_sigmask(signal.SIG_BLOCK, stops)
     try:
-        folder, log_root = ray_jobs.job_folders(run_id)  # connects to the job's cluster
+        folder, log_root = ray_jobs.job_folders(call_id)  # connects to the job's cluster
     finally:
         signal.signal(signal.SIGTERM, _on_stop_signal)
         signal.signal(signal.SIGINT, _on_stop_signal)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)
     try:
-        request = ray_jobs.take_request(run_id)
+        request = ray_jobs.take_request(call_id)
         detached.write_state(folder, {**request.state, "started": time.time()})
         # The cluster it runs on (RAY_ADDRESS, set by Ray); rank logs where the dashboard serves them.
         settings = make_settings(request.settings_raw, cluster="ray", detach=False, log_dir=log_root)
@@ -166,7 +166,7 @@ def _supervise(
         None,
         runners.InThisProcess(backend),  # the supervisor is where it runs
         kind=request.kind,
-        run_id=os.path.basename(folder),  # one id for the run: its folder here, its log folder, runs()
+        call_id=os.path.basename(folder),  # one id for the run: its folder here, its log folder, runs()
     )
     # State first, events last: whoever reads an event finds the state (the MLflow run) it implies.
     consumers: list[Consumer] = [
@@ -192,7 +192,7 @@ def _kept_as_text(result: RunResult, exc: Exception) -> RunResult:
         kept: BaseException = PayloadError(
             f"the run ended ({result.outcome}) but its result could not be kept: {exc}"
         )
-        return RunResult(result.run_id, result.log_dir, Outcome.FAILED, error=kept)
+        return RunResult(result.call_id, result.log_dir, Outcome.FAILED, error=kept)
     cause = error.__cause__ if isinstance(error.__cause__, RemoteTraceback) else None
     kept = RankFailedError(
         f"{type(error).__module__}.{type(error).__qualname__}: {error}\n"
@@ -202,7 +202,7 @@ def _kept_as_text(result: RunResult, exc: Exception) -> RunResult:
         remote_traceback=cause.text if cause is not None else None,
     )
     kept.__cause__ = cause
-    return RunResult(result.run_id, result.log_dir, result.outcome, error=kept)
+    return RunResult(result.call_id, result.log_dir, result.outcome, error=kept)
 
 
 def _write_result(folder: str, result: RunResult, text: bool = False) -> None:

@@ -54,7 +54,7 @@ class JsonLines:
         elif isinstance(event, RunStarted):
             self.emit(
                 "run_started",
-                run_id=event.run_id,
+                run_id=event.call_id,  # the lines' key, as their readers know it
                 name=event.name,
                 world_size=event.world_size,
                 backend=event.backend,
@@ -77,7 +77,7 @@ class JsonLines:
                 self._flush(rank)
             self.emit(
                 "run_finished",
-                run_id=event.run_id,
+                run_id=event.call_id,
                 outcome=event.outcome,
                 elapsed=round(event.elapsed, 3),
                 log_dir=event.log_dir,

@@ -120,7 +120,7 @@ def detect_gpus() -> list[GPU]:
 
     Uses NVML only; returns ``[]`` when there is no driver. Never touches CUDA.
     """
-    if os.environ.get(env_names.FORCE_CPU, "") not in ("", "0"):
+    if cpu_forced():
         return []
     try:
         import pynvml
@@ -220,7 +220,7 @@ def plan_accelerators(
                 f"accelerator_type {accelerator.name} was asked for, but this machine has "
                 f"{detected}{where}. Leave accelerator_type out to run on the CPU."
             )
-        count = num_accelerators if num_accelerators is not None else _default_cpu_ranks()
+        count = num_accelerators if num_accelerators is not None else default_cpu_ranks()
         return AcceleratorPlan(world_size=count, gpus=(), detected=detected)
 
     if accelerator is not None:
@@ -248,7 +248,14 @@ def plan_accelerators(
     return AcceleratorPlan(world_size=count, gpus=tuple(gpus[:count]), detected=detected)
 
 
-def _default_cpu_ranks() -> int:
+def cpu_forced() -> bool:
+    """CPU ranks even where GPUs are visible (``AIR_MAGIC_FORCE_CPU``, set by ``--nproc-per-node cpu``):
+    the one place CPU mode is read from the environment, here and by the Ray placement."""
+    return os.environ.get(env_names.FORCE_CPU, "") not in ("", "0")
+
+
+def default_cpu_ranks() -> int:
+    """How many CPU ranks a call without GPUs runs when it does not say (``AIR_MAGIC_CPU_RANKS``)."""
     raw = os.environ.get(env_names.CPU_RANKS)
     if raw is None:
         return DEFAULT_CPU_RANKS

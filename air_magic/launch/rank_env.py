@@ -41,7 +41,7 @@ def rank_environment(
     plan: AcceleratorPlan,
     master_addr: str,
     master_port: int,
-    run_id: str,
+    call_id: str,
     call_dir: str,
     log_dir: str,
     lifeline_fd: int,
@@ -70,7 +70,7 @@ def rank_environment(
             "MASTER_PORT": str(master_port),
             # The launcher hosts the store (see rendezvous.py); every rank is a client.
             "TORCHELASTIC_USE_AGENT_STORE": "True",
-            "TORCHELASTIC_RUN_ID": run_id,
+            "TORCHELASTIC_RUN_ID": call_id,
             "TORCHELASTIC_RESTART_COUNT": "0",
             "TORCHELASTIC_MAX_RESTARTS": "0",
             # Where torch's @record writes this rank's exception (protocol/elastic_error_file.py).
@@ -80,7 +80,7 @@ def rank_environment(
             "PYTHONUNBUFFERED": "1",
             # A failed collective aborts the communicator instead of hanging until the watchdog.
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
-            env_names.RUN_ID: run_id,
+            env_names.CALL_ID: call_id,
             env_names.RUN_DIR: call_dir,
             env_names.LOG_DIR: log_dir,
             env_names.LIFELINE_FD: str(lifeline_fd),

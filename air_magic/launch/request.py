@@ -35,7 +35,7 @@ class LaunchRequest:
     # without a result written (``os._exit(0)`` at its end). A function must return.
     exit_zero_succeeds: bool = False
     log_root: str | None = None  # where the call's log folder is made (None: paths.default_log_root)
-    run_id: str | None = None  # the call's id, when the caller chose it (a detached run's); None: new
+    call_id: str | None = None  # the call's id, when the caller chose it (a detached run's); None: new
     # A persistent session's line to its ranks (calls/persistent.py); None for a one-off call.
     channel: CellChannel | None = None
 
@@ -76,7 +76,7 @@ class RunResult:
     :meth:`Backend.stop <air_magic.backends.base.Backend.stop>`).
     """
 
-    run_id: str
+    call_id: str
     log_dir: str
     outcome: Outcome
     values: list[Any] | None = None
@@ -122,6 +122,6 @@ def rank_succeeded(request: LaunchRequest, exit_code: int | None, returned: bool
     return exit_code == 0 and (returned or request.exit_zero_succeeds)
 
 
-def new_run_id() -> str:
+def new_call_id() -> str:
     """A call's id: timestamp first, so log folders sort by age."""
     return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)

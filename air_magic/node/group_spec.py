@@ -24,7 +24,7 @@ from air_magic.protocol import env_names
 class GroupSpec:
     """What a node needs to start its ranks of a call (it travels to a Ray node as it is)."""
 
-    run_id: str
+    call_id: str
     ranks: tuple[int, ...]  # their global ranks, in local-rank order
     plan: AcceleratorPlan  # the call's plan (its world size, CPU or GPU)
     node_rank: int
@@ -52,7 +52,7 @@ class GroupSpec:
         **where: Any,
     ) -> GroupSpec:
         """The spec of one node's ranks of ``request``, as this process stands now (its sys.path, argv
-        and folder); ``where``: the other fields (run_id, log_dir, node_rank, warm_start...)."""
+        and folder); ``where``: the other fields (call_id, log_dir, node_rank, warm_start...)."""
         return cls(
             ranks=tuple(ranks),
             plan=request.plan,
@@ -84,7 +84,7 @@ class GroupSpec:
                 plan=plan,
                 master_addr=self.master_addr,
                 master_port=self.master_port,
-                run_id=self.run_id,
+                call_id=self.call_id,
                 call_dir=call_dir,
                 log_dir=self.log_dir,
                 lifeline_fd=lifeline_fd,

@@ -64,10 +64,10 @@ class RankGroup:
 
     def __init__(self, spec: GroupSpec, payload: bytes, emit: Callable[[NodeEvent], None]):
         self.spec = spec
-        self.run_id = spec.run_id
+        self.call_id = spec.call_id
         self.emit = emit
         ensure_open_files(len(spec.ranks))
-        self.call_dir = private_files.private_tempdir(self.run_id)
+        self.call_dir = private_files.private_tempdir(self.call_id)
         selector = selectors.DefaultSelector()
         self.session_pipes: SessionPipes | None = None  # a persistent session's line to its ranks here
         self.metrics_dir: str | None = None

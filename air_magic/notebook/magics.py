@@ -386,7 +386,8 @@ def _status(rest: str) -> None:
     for rank in range(info.world_size):
         state = info.rank_states.get(rank, "running")
         code = info.rank_exit_codes.get(rank)
-        print(f"  rank {rank}: {state}" + ("" if code is None else f" (exit status {code})"))
+        root = " (the root cause)" if rank == info.failed_rank else ""
+        print(f"  rank {rank}: {state}" + ("" if code is None else f" (exit status {code})") + root)
     if info.error:
         print(f"  error: {info.error.splitlines()[0]}")
     if info.tracking:

@@ -36,7 +36,7 @@ def to_json(result: RunResult) -> bytes:
     """``result`` as JSON: values only if they are plain data, the error as text."""
     out: dict[str, Any] = {
         "outcome": str(result.outcome.value),
-        "run_id": result.run_id,
+        "run_id": result.call_id,  # the key unchanged (a follower reads this file)
         "log_dir": result.log_dir,
     }
     if result.error is None:
@@ -61,7 +61,7 @@ def from_json(data: bytes) -> RunResult:
     """The :class:`RunResult` a follower raises or returns, from :func:`to_json`'s text."""
     fields = json.loads(data)
     outcome = Outcome(fields["outcome"])
-    run_id, log_dir = fields.get("run_id", ""), fields.get("log_dir", "")
+    call_id, log_dir = fields.get("run_id", ""), fields.get("log_dir", "")
     said = fields.get("error")
     if said is None:
         if "values_unsent" in fields:
@@ -69,8 +69,8 @@ def from_json(data: bytes) -> RunResult:
                 f"the run succeeded, but {fields['values_unsent']}; a follower of a Ray job unpickles "
                 "nothing it reads from the cluster. Return plain data (or write the results to storage)."
             )
-            return RunResult(run_id, log_dir, Outcome.FAILED, error=error)
-        return RunResult(run_id, log_dir, outcome, values=fields.get("values"))
+            return RunResult(call_id, log_dir, Outcome.FAILED, error=error)
+        return RunResult(call_id, log_dir, outcome, values=fields.get("values"))
     message = said.get("message", "")
     if outcome is Outcome.INTERRUPTED:
         error = LaunchError(message)
@@ -89,4 +89,4 @@ def from_json(data: bytes) -> RunResult:
         )
         if text:
             error.__cause__ = RemoteTraceback(text)
-    return RunResult(run_id, log_dir, outcome, error=error)
+    return RunResult(call_id, log_dir, outcome, error=error)

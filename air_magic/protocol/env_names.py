@@ -54,7 +54,9 @@ UI_SERVER_KEPT_PREFIXES = ("LC_", "PYTHON", "MLFLOW_")
 UI_SERVER_DROPPED_WORDS = ("TOKEN", "PASSWORD", "SECRET", "KEY", "CREDENTIAL", "USERNAME", "AUTH", "TRACKING")
 
 # -- rank variables -----------------------------------------------------------------------
-RUN_ID = "AIR_MAGIC_RUN_ID"  # the call's id; set means "this process is a rank"
+# The call's id; set means "this process is a rank". The variable keeps its name: ranks' code reads it.
+CALL_ID = "AIR_MAGIC_RUN_ID"
+RUN_ID = CALL_ID  # the former name of CALL_ID
 RUN_DIR = "AIR_MAGIC_RUN_DIR"  # the call's private folder (payload, results, error records)
 LOG_DIR = LOG_ROOT  # in a rank: the call's own log folder (the same name: a rank makes no calls)
 LIFELINE_FD = "AIR_MAGIC_LIFELINE_FD"  # read end of the pipe whose EOF means "the caller is gone"

@@ -92,6 +92,8 @@ def from_line(line: str) -> Event | None:
             fields["state"] = RankState(fields["state"])
         if cls is RunStarted and "ranks_per_node" in fields:
             fields["ranks_per_node"] = tuple(fields["ranks_per_node"])
+        if cls in (RunStarted, RunFinished) and "run_id" in fields:  # a log written before call_id
+            fields["call_id"] = fields.pop("run_id")
         event: Event = cls(**fields)
         return event
     except (ValueError, KeyError, TypeError):

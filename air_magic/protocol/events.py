@@ -54,7 +54,7 @@ class Outcome(str, enum.Enum):
 
 @dataclass(frozen=True)
 class RunStarted:
-    run_id: str
+    call_id: str  # air_magic's id of the call (its log folder's name), not an MLflow run's
     world_size: int
     backend: str
     detected: str
@@ -107,7 +107,7 @@ class RunFinished:
     ``failed_rank`` is the root cause's rank when the outcome is FAILED.
     """
 
-    run_id: str
+    call_id: str
     outcome: Outcome
     elapsed: float
     log_dir: str

@@ -124,7 +124,8 @@ class TrackedRun:
     def handle(self, event: Event) -> None:
         if isinstance(event, RunStarted):
             self.log_dir = event.log_dir
-            tag = functools.partial(self.client.set_tag, self.run_id, "air_magic.run_id", event.run_id)
+            # The call's id, under the tag's name as it was (earlier runs have it).
+            tag = functools.partial(self.client.set_tag, self.run_id, "air_magic.run_id", event.call_id)
             self.jobs.put(tag)
             self.jobs.put(self._watch)
             if self.metrics is not None:

@@ -355,7 +355,7 @@ def _env_of_rank(plan, base, extra=None):
 
     return rank_environment(
         place=RankPlace.on_one_node(0, plan.world_size), plan=plan, master_addr="127.0.0.1",
-        master_port=12345, run_id="r", call_dir="/x", log_dir="/y",
+        master_port=12345, call_id="r", call_dir="/x", log_dir="/y",
         lifeline_fd=3, extra=extra or {}, base=base,
     )  # fmt: skip
 

@@ -99,7 +99,7 @@ def test_ranks_get_gpu_indices_in_pci_order_and_mig_uuids():
             plan=plan,
             master_addr="127.0.0.1",
             master_port=1,
-            run_id="r",
+            call_id="r",
             call_dir="/d",
             log_dir="/l",
             lifeline_fd=3,

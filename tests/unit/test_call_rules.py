@@ -250,7 +250,8 @@ def test_run_json_says_the_outcome_to_other_processes(tmp_path):
     (summary,) = read_summaries(str(tmp_path))
     assert (summary["name"], summary["outcome"], summary["world_size"]) == ("train", "failed", 2)
     assert summary["rank_states"] == {"0": "failed", "1": "succeeded"}
-    assert summary["error"].startswith("Diverged: nan") and summary["run_id"] == last_run().run_id
+    assert summary["error"].startswith("Diverged: nan") and summary["run_id"] == last_run().call_id
+    assert last_run().run_id == last_run().call_id  # the former name, still read
 
 
 def test_a_ranks_states_are_the_bus_events_in_the_order_they_ended():

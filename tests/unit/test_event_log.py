@@ -69,3 +69,15 @@ def test_a_new_follower_gets_every_rank_state_and_the_latest_output(tmp_path):
 def test_one_part_when_the_log_is_small(tmp_path):
     events = _write(tmp_path, part_bytes=event_log.PART_BYTES)
     assert os.listdir(tmp_path) == ["events.jsonl"] and _follow(tmp_path, 0) == events
+
+
+def test_a_line_written_before_call_id_still_reads(tmp_path):
+    """An older supervisor's log named the call's id ``run_id``: a follower reads it as call_id."""
+    started = RunStarted("r1", 2, "local", "cpu", True, str(tmp_path), "train")
+    finished = RunFinished("r1", Outcome.SUCCEEDED, 1.0, str(tmp_path))
+    for event in (started, finished):
+        line = event_log.to_line(event)
+        assert '"call_id": "r1"' in line
+        older = line.replace('"call_id"', '"run_id"')
+        assert event_log.from_line(older) == event_log.from_line(line) == event
+    assert event_log.from_line(event_log.to_line(LINK)) == LINK  # the MLflow run's run_id stays

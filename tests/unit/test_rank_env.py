@@ -9,7 +9,7 @@ GPUS = tuple(GPU(i, f"GPU-{i}", "NVIDIA H200") for i in range(4))
 def _env(place, master_addr="10.0.0.1", gpus=None):
     plan = AcceleratorPlan(world_size=place.world_size, gpus=GPUS, detected="GPU_4xH200")
     return rank_environment(
-        place=place, plan=plan, master_addr=master_addr, master_port=29600, run_id="r",
+        place=place, plan=plan, master_addr=master_addr, master_port=29600, call_id="r",
         call_dir="/d", log_dir="/l", lifeline_fd=3, extra={}, base={}, gpus=gpus,
     )  # fmt: skip
 
@@ -54,12 +54,12 @@ def test_torchruns_other_variables_and_accelerates_cpu_switch():
     assert "ACCELERATE_USE_CPU" not in env  # GPU ranks
     cpu = AcceleratorPlan(world_size=2, gpus=(), detected="cpu")
     made = rank_environment(
-        place=RankPlace.on_one_node(0, 2), plan=cpu, master_addr="127.0.0.1", master_port=1, run_id="r",
+        place=RankPlace.on_one_node(0, 2), plan=cpu, master_addr="127.0.0.1", master_port=1, call_id="r",
         call_dir="/d", log_dir="/l", lifeline_fd=3, extra={}, base={},
     )  # fmt: skip
     assert made["ACCELERATE_USE_CPU"] == "1"  # as `accelerate launch --cpu` sets it
     mine = rank_environment(
-        place=RankPlace.on_one_node(0, 2), plan=cpu, master_addr="127.0.0.1", master_port=1, run_id="r",
+        place=RankPlace.on_one_node(0, 2), plan=cpu, master_addr="127.0.0.1", master_port=1, call_id="r",
         call_dir="/d", log_dir="/l", lifeline_fd=3, extra={}, base={"ACCELERATE_USE_CPU": "0"},
     )  # fmt: skip
     assert mine["ACCELERATE_USE_CPU"] == "0"  # the user's own choice stays

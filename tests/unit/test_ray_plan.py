@@ -48,6 +48,15 @@ def test_without_gpus_cpu_slots_stand_in(monkeypatch):
     assert (shape.unit, shape.counts) == ("CPU", (2, 1))
 
 
+def test_the_cpu_ranks_variable_is_read_by_one_rule_on_ray_as_here(monkeypatch):
+    nodes = [node("1", cpus=8)]
+    monkeypatch.setenv("AIR_MAGIC_CPU_RANKS", "3")
+    assert plan_shape(nodes, None, None, here="1").counts == (3,)
+    monkeypatch.setenv("AIR_MAGIC_CPU_RANKS", "many")  # once a bare ValueError from int() here
+    with pytest.raises(ConfigurationError, match="AIR_MAGIC_CPU_RANKS='many' must be a positive integer"):
+        plan_shape(nodes, None, None, here="1")
+
+
 def test_free_resources_are_preferred_when_they_fit():
     nodes = [node("1", gpus=8), node("2", gpus=4)]
     free = {"1": {"GPU": 1}, "2": {"GPU": 4}}  # node 1 is busy with another job

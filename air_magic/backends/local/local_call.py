@@ -56,7 +56,7 @@ class LocalCall(CallLoop):
             wait = max(0.0, min(wait, self.deadline - time.monotonic()))
         spec = GroupSpec.of_call(
             self.request,
-            run_id=self.run_id,
+            call_id=self.call_id,
             log_dir=self.log_dir,
             ranks=range(self.world),
             node_rank=0,

@@ -55,8 +55,8 @@ class NodeAgent:
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._events: list[NodeEvent] = []  # of the call self._run_id, until polled
-        self._run_id: str | None = None
+        self._events: list[NodeEvent] = []  # of the call self._call_id, until polled
+        self._call_id: str | None = None
         self._call: RankGroup | None = None
         self._store: tuple[str, RendezvousStore] | None = None  # (run id, store)
         self._stopped: set[str] = set()  # calls stopped here, perhaps before their start arrived
@@ -89,22 +89,22 @@ class NodeAgent:
         """Put this node's warm starter on its way (it imports torch once for every later call)."""
         warm.prestart(self._log_root(), env)
 
-    def open_store(self, run_id: str, world_size: int, host: str) -> int:
+    def open_store(self, call_id: str, world_size: int, host: str) -> int:
         """Host the call's rendezvous store on this node (rank 0's), bound before any rank starts."""
         self._close_store()
         store = RendezvousStore(world_size, host=host)
-        self._store = (run_id, store)
+        self._store = (call_id, store)
         return store.port
 
     def start(self, spec: GroupSpec, payload: bytes) -> list[tuple[int, int]]:
         """Start this node's ranks of a call; ``[(rank, pid)]`` (empty if the call was stopped first)."""
-        run_id = spec.run_id
+        call_id = spec.call_id
         with self._cond:
-            if run_id in self._stopped:
+            if call_id in self._stopped:
                 return []
             previous, self._call = self._call, None
             self._events.clear()
-            self._run_id = run_id
+            self._call_id = call_id
             self._last_poll = time.monotonic()
         if previous is not None:
             # The caller ends each call (finish) before the next; one still here was abandoned
@@ -113,9 +113,9 @@ class NodeAgent:
             previous.stop(0)
             previous.close()
         spec = dataclasses.replace(spec, log_root=self._log_root())
-        group = RankGroup(spec, payload, lambda event: self._emit(run_id, event))
+        group = RankGroup(spec, payload, lambda event: self._emit(call_id, event))
         with self._cond:
-            if run_id in self._stopped:  # stopped while the call folder was written
+            if call_id in self._stopped:  # stopped while the call folder was written
                 group.close()
                 return []
             self._call = group
@@ -125,46 +125,46 @@ class NodeAgent:
             group.watch_in_thread()  # the exits (of ranks a failed start stopped too), then done
             self._last_poll = time.monotonic()  # a slow start (the starter importing) is not silence
 
-    def poll(self, run_id: str, wait_s: float) -> list[NodeEvent]:
-        """The events of call ``run_id`` since the last poll; waits up to ``wait_s`` for the first one.
+    def poll(self, call_id: str, wait_s: float) -> list[NodeEvent]:
+        """The events of call ``call_id`` since the last poll; waits up to ``wait_s`` for the first one.
 
         A poll of an earlier call (still waiting here when the next call started) gets nothing:
         the events of a call go only to that call's polls.
         """
         with self._cond:
             self._last_poll = time.monotonic()
-            if not self._events or self._run_id != run_id:
+            if not self._events or self._call_id != call_id:
                 self._cond.wait(wait_s)
-            if self._run_id != run_id:
+            if self._call_id != call_id:
                 return []
             events, self._events = self._events, []
             self._last_poll = time.monotonic()
         return events
 
-    def stop(self, run_id: str, grace_s: float, signum: int = signal.SIGTERM) -> None:
-        """Stop this node's ranks of call ``run_id`` (and everything they started), also ranks it is
+    def stop(self, call_id: str, grace_s: float, signum: int = signal.SIGTERM) -> None:
+        """Stop this node's ranks of call ``call_id`` (and everything they started), also ranks it is
         still starting and a start that has not arrived yet; their exits follow as events. They get
         ``signum`` first (SIGINT for a stop, as the local backend sends), then ``grace_s``."""
         with self._cond:
-            self._stopped.add(run_id)
+            self._stopped.add(call_id)
             if len(self._stopped) > 64:  # remembered for a late start only; never grows for long
-                self._stopped = {run_id}
-            call = self._call if self._call is not None and self._call.run_id == run_id else None
+                self._stopped = {call_id}
+            call = self._call if self._call is not None and self._call.call_id == call_id else None
         if call is not None:  # (ranks that ignore SIGINT, as a Ray worker may, get SIGTERM: rank_group)
             if grace_s <= 0:  # a second interrupt: a stop still in its grace holds the lock; not this
                 call.kill_now()
             call.stop(grace_s, signum)
 
-    def finish(self, run_id: str) -> None:
-        """Call ``run_id`` is over: close its store, remove its folder (the arguments were in it)."""
+    def finish(self, call_id: str) -> None:
+        """Call ``call_id`` is over: close its store, remove its folder (the arguments were in it)."""
         with self._cond:
-            call = self._call if self._call is not None and self._call.run_id == run_id else None
+            call = self._call if self._call is not None and self._call.call_id == call_id else None
             if call is not None:
                 self._call = None
         if call is not None:
             call.stop(0)
             call.close()
-        if self._store is not None and self._store[0] == run_id:
+        if self._store is not None and self._store[0] == call_id:
             self._close_store()
 
     def ping(self) -> int:
@@ -172,37 +172,37 @@ class NodeAgent:
 
     # -- a persistent session's cells (SPEC §15; the caller's calls/persistent.py) --------
 
-    def cell(self, run_id: str, number: int, payload: bytes) -> None:
-        """Cell ``number`` to this node's ranks of session ``run_id`` (the payload, resolved by Ray)."""
-        call = self._call_of(run_id)
+    def cell(self, call_id: str, number: int, payload: bytes) -> None:
+        """Cell ``number`` to this node's ranks of session ``call_id`` (the payload, resolved by Ray)."""
+        call = self._call_of(call_id)
         if call is None or call.session_pipes is None:  # the caller must know: its cell runs nowhere here
-            raise RuntimeError(f"no session {run_id} on this node (it ended)")
+            raise RuntimeError(f"no session {call_id} on this node (it ended)")
         call.session_pipes.send_cell(number, payload)
 
-    def end_session(self, run_id: str) -> None:
-        call = self._call_of(run_id)
+    def end_session(self, call_id: str) -> None:
+        call = self._call_of(call_id)
         if call is not None and call.session_pipes is not None:
             call.session_pipes.send_stop()
 
-    def interrupt(self, run_id: str, ranks: list[int]) -> None:
-        call = self._call_of(run_id)
+    def interrupt(self, call_id: str, ranks: list[int]) -> None:
+        call = self._call_of(call_id)
         if call is not None:
             call.interrupt(ranks)
 
-    def _call_of(self, run_id: str) -> RankGroup | None:
+    def _call_of(self, call_id: str) -> RankGroup | None:
         call = self._call
-        return call if call is not None and call.run_id == run_id else None
+        return call if call is not None and call.call_id == call_id else None
 
-    def stacks(self, run_id: str) -> dict[int, str]:
-        """The thread stacks of this node's running ranks of call ``run_id`` (outcome/stacks.py)."""
-        call = self._call_of(run_id)
+    def stacks(self, call_id: str) -> dict[int, str]:
+        """The thread stacks of this node's running ranks of call ``call_id`` (outcome/stacks.py)."""
+        call = self._call_of(call_id)
         return call.stacks() if call is not None else {}
 
     # -- inside ----------------------------------------------------------------------------
 
-    def _emit(self, run_id: str, event: NodeEvent) -> None:
+    def _emit(self, call_id: str, event: NodeEvent) -> None:
         with self._cond:
-            if run_id == self._run_id:
+            if call_id == self._call_id:
                 self._events.append(event)
                 self._cond.notify_all()
 
@@ -252,7 +252,7 @@ class NodeAgent:
         if call is not None:
             # Said first, so that the caller (reached directly, not through the raylet) can tell
             # the node's death from its ranks' SIGKILLs that follow.
-            self._emit(call.run_id, NodeLost("its raylet died"))
+            self._emit(call.call_id, NodeLost("its raylet died"))
             call.kill_now()
             time.sleep(WATCHDOG_S)  # a poll in flight takes the news
             shutil.rmtree(call.call_dir, ignore_errors=True)

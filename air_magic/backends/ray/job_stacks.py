@@ -23,10 +23,10 @@ def main(argv: list[str]) -> int:
     from air_magic.backends.ray import cluster, placement
     from air_magic.backends.ray.run_loop import agents_stacks
 
-    run_id = argv[0]
+    call_id = argv[0]
     ray = cluster.connect()
-    agents = placement.named_agents(ray, run_id)
-    stacks = agents_stacks(ray, agents, run_id) if agents else {}
+    agents = placement.named_agents(ray, call_id)
+    stacks = agents_stacks(ray, agents, call_id) if agents else {}
     print(MARK + json.dumps({str(rank): text for rank, text in sorted(stacks.items())}), flush=True)
     return 0
 

@@ -24,7 +24,14 @@ from typing import Any
 
 from air_magic.backends.ray import cluster
 from air_magic.errors import AcceleratorError, ConfigurationError, LaunchError
-from air_magic.launch.accelerators import DEFAULT_CPU_RANKS, GPU, AcceleratorPlan, AcceleratorSpec, describe
+from air_magic.launch.accelerators import (
+    GPU,
+    AcceleratorPlan,
+    AcceleratorSpec,
+    cpu_forced,
+    default_cpu_ranks,
+    describe,
+)
 from air_magic.protocol import env_names
 
 PLACE_WAIT_S = 10.0
@@ -88,7 +95,7 @@ def plan_shape(
         if unit == "GPU":
             n = spec.count if spec is not None and spec.count is not None else total
         else:
-            n = int(os.environ.get(env_names.CPU_RANKS, DEFAULT_CPU_RANKS))
+            n = default_cpu_ranks()
     if n > total or n < 1:
         raise AcceleratorError(
             f"{n} rank(s) of one {unit} each were asked for, but the Ray cluster has {total} {unit}(s) "
@@ -277,24 +284,24 @@ _lock = threading.Lock()
 _pool: Pool | None = None
 
 
-def name_agents(run_id: str) -> None:
-    """Name the agents of this process's pools after Ray job ``run_id`` (its supervisor calls this):
+def name_agents(call_id: str) -> None:
+    """Name the agents of this process's pools after Ray job ``call_id`` (its supervisor calls this):
     another driver of the cluster -- ``job_stacks``, for a follower on another machine -- can then
     find them with :func:`named_agents`. Only for a job: it has one call, so the names never clash."""
     global _named_for
-    _named_for = run_id
+    _named_for = call_id
 
 
-def agent_name(run_id: str, index: int) -> str:
-    return f"air_magic-{run_id}-agent-{index}"
+def agent_name(call_id: str, index: int) -> str:
+    return f"air_magic-{call_id}-agent-{index}"
 
 
-def named_agents(ray: Any, run_id: str) -> list[Any]:
-    """The agents of Ray job ``run_id``'s call, node by node (none once it has ended)."""
+def named_agents(ray: Any, call_id: str) -> list[Any]:
+    """The agents of Ray job ``call_id``'s call, node by node (none once it has ended)."""
     found: list[Any] = []
     while True:
         try:
-            found.append(ray.get_actor(agent_name(run_id, len(found)), namespace=AGENT_NAMESPACE))
+            found.append(ray.get_actor(agent_name(call_id, len(found)), namespace=AGENT_NAMESPACE))
         except ValueError:  # no actor of that name: past the last node
             return found
 
@@ -304,7 +311,7 @@ def pool_for(n: int | None, spec: AcceleratorSpec | None) -> Pool:
     held: the caller releases it when the call ends or will not run): the current one when it fits."""
     global _pool
     ray = cluster.connect()
-    force_cpu = os.environ.get(env_names.FORCE_CPU, "") not in ("", "0")
+    force_cpu = cpu_forced()
     with _lock:
         here = ray.get_runtime_context().get_node_id()
         if _pool is not None:

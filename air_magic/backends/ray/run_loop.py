@@ -91,7 +91,7 @@ class RayCall(CallLoop):
         """
         ray, nodes = self.ray, self.pool.nodes
         master = nodes[0]["ip"]
-        opened = self.agents[0].open_store.remote(self.run_id, self.world, master)
+        opened = self.agents[0].open_store.remote(self.call_id, self.world, master)
         port = ray.get(opened, timeout=START_WAIT_S)
         payload = ray.put(self.request.payload)  # once, whatever the number of nodes
         if self.request.channel is not None:  # a persistent session: its line, before its ranks answer
@@ -102,7 +102,7 @@ class RayCall(CallLoop):
         for node, agent in enumerate(self.agents):
             spec = GroupSpec.of_call(
                 self.request,
-                run_id=self.run_id,
+                call_id=self.call_id,
                 log_dir=self.log_dir,
                 ranks=[r.rank for r in self.ledger.records if r.node == node],
                 node_rank=node,
@@ -204,7 +204,7 @@ class RayCall(CallLoop):
             and node not in ledger.lost_nodes
             and node not in self.polls.values()
         ):
-            self.polls[self.agents[node].poll.remote(self.run_id, POLL_S)] = node
+            self.polls[self.agents[node].poll.remote(self.call_id, POLL_S)] = node
             self.polled_at[node] = time.monotonic()
 
     def _silent_agents(self) -> None:
@@ -234,7 +234,7 @@ class RayCall(CallLoop):
             self.teardown_at = time.monotonic()
             ledger.begin_teardown()
         for agent in self.agents:  # a node taken for lost may only be silent: told too
-            self.side_calls.append(agent.stop.remote(self.run_id, grace_s, int(signum)))
+            self.side_calls.append(agent.stop.remote(self.call_id, grace_s, int(signum)))
         end = time.monotonic() + grace_s + STOP_WAIT_S
         try:
             while self.starts and time.monotonic() < end:  # a start still on its way: its pids
@@ -258,7 +258,7 @@ class RayCall(CallLoop):
                 self.pump(min(TICK_S, max(0.0, end - time.monotonic())))
         except KeyboardInterrupt:  # a second interrupt: no more grace, on every node
             for agent in self.agents:
-                self.side_calls.append(agent.stop.remote(self.run_id, 0.0, int(signal.SIGKILL)))
+                self.side_calls.append(agent.stop.remote(self.call_id, 0.0, int(signal.SIGKILL)))
             end = time.monotonic() + STOP_WAIT_S
             try:
                 while self.polls and time.monotonic() < end and not ledger.all_exited():
@@ -274,7 +274,7 @@ class RayCall(CallLoop):
         A lost node's agent is told too (it may only have been silent) but not waited for: a
         dead actor's answer comes only after Ray's health checks (measured: 1.4 s of a 1.9 s
         node-loss error went there)."""
-        refs = [a.finish.remote(self.run_id) for a in self.agents]
+        refs = [a.finish.remote(self.call_id) for a in self.agents]
         live = [ref for node, ref in enumerate(refs) if node not in self.ledger.lost_nodes]
         try:
             self.ray.wait(live, num_returns=len(live), timeout=STOP_WAIT_S)
@@ -291,15 +291,15 @@ class RayCall(CallLoop):
 
     def stacks(self) -> dict[int, str]:
         """Every running rank's thread stacks, each node's agent taking its own (from any thread)."""
-        return agents_stacks(self.ray, self.agents, self.run_id)
+        return agents_stacks(self.ray, self.agents, self.call_id)
 
 
-def agents_stacks(ray: Any, agents: list[Any], run_id: str) -> dict[int, str]:
-    """The thread stacks of call ``run_id``'s running ranks, each node's agent taking its own: for
+def agents_stacks(ray: Any, agents: list[Any], call_id: str) -> dict[int, str]:
+    """The thread stacks of call ``call_id``'s running ranks, each node's agent taking its own: for
     the caller, and for ``job_stacks`` (another driver of the cluster, asking a Ray job's agents)."""
     found: dict[int, str] = {}
     try:
-        parts = ray.get([agent.stacks.remote(run_id) for agent in agents], timeout=STACKS_WAIT_S)
+        parts = ray.get([agent.stacks.remote(call_id) for agent in agents], timeout=STACKS_WAIT_S)
     except Exception:  # noqa: BLE001 - stacks are a help; a node that cannot answer gives none
         return found
     for part in parts:
@@ -316,12 +316,12 @@ class _RayCells:
     def send_cell(self, number: int, payload: bytes) -> None:
         run = self._run
         ref = run.ray.put(payload)  # once, whatever the number of nodes
-        run.ray.get([a.cell.remote(run.run_id, number, ref) for a in run.agents], timeout=START_WAIT_S)
+        run.ray.get([a.cell.remote(run.call_id, number, ref) for a in run.agents], timeout=START_WAIT_S)
 
     def send_stop(self) -> None:
         run = self._run
         try:
-            run.ray.get([a.end_session.remote(run.run_id) for a in run.agents], timeout=STACKS_WAIT_S)
+            run.ray.get([a.end_session.remote(run.call_id) for a in run.agents], timeout=STACKS_WAIT_S)
         except Exception:  # noqa: BLE001 - a node that cannot answer: the session's stop stops it
             pass
 
@@ -331,7 +331,7 @@ class _RayCells:
         for node, agent in enumerate(run.agents):
             here = [r.rank for r in run.ledger.records if r.node == node and r.rank in ranks and not r.exited]
             if here:
-                sent.append(agent.interrupt.remote(run.run_id, here))
+                sent.append(agent.interrupt.remote(run.call_id, here))
         try:
             run.ray.get(sent, timeout=STACKS_WAIT_S)
         except Exception as exc:  # noqa: BLE001 - a node that cannot answer: the session ends after the wait
