@@ -390,19 +390,5 @@ def _error_record(rank: int, when: float, exc: BaseException, stage: str, name: 
     frames = traceback.format_tb(exc.__traceback__) or [here]
     text = "Traceback (most recent call last):\n" + "".join(frames)
     text += "".join(traceback.format_exception_only(type(exc), exc))
-    pickled: bytes | None
-    try:
-        pickled = serialization.dumps(exc)
-        serialization.loads(pickled)
-    except Exception:  # noqa: BLE001 - as a rank's: an exception that cannot travel comes back as text
-        pickled = None
-    record = ErrorRecord(
-        rank=rank,
-        time=when,
-        stage=stage,
-        type_name=f"{type(exc).__module__}.{type(exc).__qualname__}",
-        message=str(exc),
-        traceback=text,
-        exception=pickled,
-    )
+    record = ErrorRecord.of(exc, rank, when, stage, text)
     return serialization.dumps(record), text

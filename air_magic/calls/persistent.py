@@ -25,6 +25,7 @@ docs/session.md.
 from __future__ import annotations
 
 import inspect
+import operator
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -38,7 +39,6 @@ from air_magic.errors import ConfigurationError, SessionEndedError
 from air_magic.launch.request import RunResult
 from air_magic.launch.settings import LaunchSettings, make_settings
 from air_magic.protocol import serialization
-from air_magic.protocol.events import RecordLink
 from air_magic.worker import cell_runner
 
 __all__ = [
@@ -114,42 +114,16 @@ class Session:
         self.names = HeldNames()  # what the ranks hold of the notebook's (notebook/magics.py asks)
         self.loop = CellLoop(self.call, CallerChanges(self.call.id, settings.env), self._deactivate)
 
-    # What the session is, in its call's words.
-    @property
-    def settings(self) -> LaunchSettings:
-        return self.call.settings
-
-    @property
-    def name(self) -> str:
-        return self.call.name
-
-    @property
-    def id(self) -> str:
-        return self.call.id
-
-    @property
-    def state(self) -> SessionStatus:
-        return self.call.state
-
-    @property
-    def world_size(self) -> int:
-        return self.call.world_size
-
-    @property
-    def cells(self) -> int:
-        return self.loop.count
-
-    @property
-    def ended_why(self) -> str | None:
-        return self.call.ended_why
-
-    @property
-    def log_dir(self) -> str | None:
-        return self.call.log_dir
-
-    @property
-    def record(self) -> RecordLink | None:
-        return self.call.record
+    # What the session is, in its call's words (read-only).
+    settings = property(operator.attrgetter("call.settings"), doc="its launch settings")
+    name = property(operator.attrgetter("call.name"))
+    id = property(operator.attrgetter("call.id"), doc="its call's id (its log folder's name)")
+    state = property(operator.attrgetter("call.state"), doc="a SessionStatus: new, starting, ready, ended")
+    world_size = property(operator.attrgetter("call.world_size"))
+    cells = property(operator.attrgetter("loop.count"), doc="the cells run so far")
+    ended_why = property(operator.attrgetter("call.ended_why"))
+    log_dir = property(operator.attrgetter("call.log_dir"))
+    record = property(operator.attrgetter("call.record"), doc="its MLflow run's RecordLink, once made")
 
     def __enter__(self) -> Session:
         if self.state == SessionStatus.NEW:

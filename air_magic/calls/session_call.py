@@ -17,7 +17,6 @@ thread.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import inspect
 import os
 import queue
@@ -34,36 +33,22 @@ from air_magic.calls.session_cell import SessionCell
 from air_magic.errors import SessionEndedError
 from air_magic.launch.request import CellSender, RunResult, new_call_id
 from air_magic.launch.settings import LaunchSettings
-from air_magic.protocol.events import (
-    CellAnswered,
-    Event,
-    EventBus,
-    Outcome,
-    RankExited,
-    RankOutput,
-    RankStarted,
-    RecordLink,
-    RunFinished,
-    RunStarted,
-    SessionState,
-    Tick,
-)
+from air_magic.protocol import events
+from air_magic.protocol.events import Event, EventBus, Outcome, RecordLink, RunFinished, SessionState
+from air_magic.protocol.words import Word
 from air_magic.worker import session_rank
 
 SLOW_STOP_S = 2.0  # after this long, a stop that waits on its ranks says why
 END_GRACE_S = 1.0  # when the session's ranks are stopped at last: SIGINT, then SIGKILL after this
 
 
-class SessionStatus(str, enum.Enum):
+class SessionStatus(Word):
     """A session's life: NEW -> STARTING -> READY -> ENDED (a str: ``state == "ready"`` still works)."""
 
     NEW = "new"
     STARTING = "starting"
     READY = "ready"
     ENDED = "ended"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(frozen=True)
@@ -109,7 +94,7 @@ class SessionCall:
         self.ended_why: str | None = None
         self.log_dir: str | None = None
         self.record: RecordLink | None = None  # the tracked run's link
-        self.run_started: RunStarted | None = None
+        self.run_started: events.RunStarted | None = None
         self.finished: RunFinished | None = None  # the session's own end, once the caller saw it
         self.sender: CellSender | None = None  # the backend's line to the ranks (connect())
         self.pids: dict[int, int] = {}
@@ -307,28 +292,28 @@ class SessionCall:
     def handle(self, event: Event) -> None:
         """A consumer of the session call's events."""
         current = self.cells.current if self.cells is not None else None
-        if isinstance(event, CellAnswered):  # after everything that rank printed before it
+        if isinstance(event, events.CellAnswered):  # after everything that rank printed before it
             self.memory[event.rank] = event.answer.get("memory") or {}
             self._queue.put(Answer(event.rank, event.answer, event.outcome))
             return
         if isinstance(event, RecordLink):  # the session's MLflow run: its cells' displays show it
             self.record = event
-        elif isinstance(event, RunStarted):
+        elif isinstance(event, events.RunStarted):
             self.run_started = event
             self.log_dir = event.log_dir
-        elif isinstance(event, RankStarted):
+        elif isinstance(event, events.RankStarted):
             self.pids[event.rank] = event.pid
-        elif isinstance(event, RankOutput):
+        elif isinstance(event, events.RankOutput):
             self.tails[event.rank].add(event.text)
-        elif isinstance(event, RankExited):
+        elif isinstance(event, events.RankExited):
             self.ended_ranks[event.rank] = event.reason or event.state.value
-        elif isinstance(event, Tick):
+        elif isinstance(event, events.Tick):
             return  # the cell's own ticks come from the caller's thread
         if isinstance(event, RunFinished) and current is not None and self.cells is not None:
             # The session ends under a cell: its step goes in before the run's end (queued next,
             # on this thread), which the cell's own end, on the caller's thread, comes after.
             self.cells.log_step_once(current, Outcome.FAILED)
-        if current is not None or isinstance(event, (RankExited, RunFinished)):
+        if current is not None or isinstance(event, (events.RankExited, RunFinished)):
             self._queue.put(FromLoop(event))
 
     def connect(self, sender: CellSender) -> None:

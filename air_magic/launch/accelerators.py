@@ -14,16 +14,16 @@ raised by the settings layer.
 
 from __future__ import annotations
 
-import enum
 import os
 import re
 from dataclasses import dataclass
 
 from air_magic.errors import AcceleratorError, ConfigurationError
 from air_magic.protocol import env_names
+from air_magic.protocol.words import Word
 
 
-class AcceleratorType(str, enum.Enum):
+class AcceleratorType(Word):
     """The seed's named accelerator types. Any ``GPU_<n>x<MODEL>`` string is accepted too."""
 
     GPU_1xA10 = "GPU_1xA10"
@@ -31,11 +31,8 @@ class AcceleratorType(str, enum.Enum):
     GPU_8xH100 = "GPU_8xH100"
     GPU_8xB300 = "GPU_8xB300"
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class GPUType(str, enum.Enum):
+class GPUType(Word):
     """The seed's older ``gpu_type`` values (``serverless_gpu.GPUType``): a GPU model, no count.
 
     Still accepted as ``accelerator_type`` (or ``gpu_type``) with a FutureWarning naming the
@@ -45,9 +42,6 @@ class GPUType(str, enum.Enum):
     A10 = "A10"
     H100 = "H100"
     B300 = "B300"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 # Legacy ``gpu_type`` values (serverless_gpu) and the type that replaces each.

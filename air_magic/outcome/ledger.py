@@ -34,7 +34,7 @@ from air_magic.outcome.failures import (
 )
 from air_magic.outcome.stacks import timeout_section
 from air_magic.protocol import serialization
-from air_magic.protocol.events import CellAnswered, EventBus, RankExited, RankMetrics, RankStarted, RankState
+from air_magic.protocol.events import EventBus, RankExited, RankStarted, RankState
 from air_magic.protocol.node_events import (
     Answer,
     Exited,
@@ -183,10 +183,8 @@ class CallLedger:
             self.records[event.rank].returned = True
         elif isinstance(event, Exited):
             self._exited(event)
-        elif isinstance(event, Metrics):  # another node's: the tracked run keeps them (no file here)
-            self.bus.emit(RankMetrics(event.rank, event.data))
-        elif isinstance(event, Answer):  # a session's rank ended a cell: the session consumes it
-            self.bus.emit(CellAnswered(event.rank, event.answer, event.outcome))
+        elif isinstance(event, (Metrics, Answer)):  # another node's metric lines; a session's answer
+            self.bus.emit(event)  # the tracked run and the session consume them (no file here)
         elif isinstance(event, NodeLost):
             self.node_lost(node, event.why)
         elif isinstance(event, GroupDone):

@@ -19,6 +19,8 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from air_magic.protocol.words import Word
+
 
 class RankState(str, enum.Enum):
     """A rank's life: STARTING -> RUNNING -> one of SUCCEEDED, FAILED, KILLED."""
@@ -30,7 +32,7 @@ class RankState(str, enum.Enum):
     KILLED = "killed"
 
 
-class Outcome(str, enum.Enum):
+class Outcome(Word):
     """How a call ended (or that it has not yet): one word for every place that says it: the
     backends' results, history and ``air-magic runs``, the tracked run's status, the displays and a
     detached or background run's state. A str, so JSON and comparisons with the word still work."""
@@ -44,12 +46,6 @@ class Outcome(str, enum.Enum):
     CANCELLED = "cancelled"  # a detached or background run's word for INTERRUPTED: its handle cancelled it
     # A persistent session's own end (its ranks are gone): what its cells see when it ends under them.
     SESSION_ENDED = "ended"
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
 
 
 @dataclass(frozen=True)

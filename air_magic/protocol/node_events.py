@@ -13,7 +13,8 @@ the wall clock (zero on the caller's own machine) before it compares two nodes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+
+from air_magic.protocol.events import CellAnswered, RankMetrics
 
 
 @dataclass(frozen=True)
@@ -63,21 +64,9 @@ class Exited:
     sigkill_from: float | None = None
 
 
-@dataclass(frozen=True)
-class Metrics:
-    """New bytes of the rank's metric file (only where the caller cannot read it: another node)."""
-
-    rank: int
-    data: bytes
-
-
-@dataclass(frozen=True)
-class Answer:
-    """A persistent session's rank answered a cell (or said it is ready), after all it printed."""
-
-    rank: int
-    answer: dict[str, Any]
-    outcome: bytes | None
+# Two facts are the call's events as they are: the ledger hands them on to the consumers.
+Metrics = RankMetrics  # new lines of a rank's metric file (only where the caller cannot read it)
+Answer = CellAnswered  # a persistent session's rank answered a cell (or is ready), after all it printed
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from air_magic.protocol import serialization
+
 LAUNCH_FILE = "launch.json"
 PAYLOAD_FILE = "payload.pkl"
 
@@ -102,6 +104,24 @@ class ErrorRecord:
     message: str
     traceback: str
     exception: bytes | None  # the pickled exception, when it could be pickled
+
+    @classmethod
+    def of(cls, exc: BaseException, rank: int, when: float, stage: str, text: str) -> ErrorRecord:
+        """The record for ``exc`` (``text``: its traceback as the rank prints it), with the exception
+        pickled when it can travel: one that does not load again (an unusual ``__init__``) comes back
+        as its text only. A ``str()`` that raises does not lose the record."""
+        pickled: bytes | None
+        try:
+            pickled = serialization.dumps(exc)
+            serialization.loads(pickled)
+        except Exception:  # noqa: BLE001 - a user's exception: anything may fail
+            pickled = None
+        try:
+            message = str(exc)
+        except Exception:  # noqa: BLE001 - str() of a user's exception can raise anything
+            message = f"<{type(exc).__name__}: str() failed>"
+        type_name = f"{type(exc).__module__}.{type(exc).__qualname__}"
+        return cls(rank, when, stage, type_name, message, text, pickled)
 
 
 def write_atomically(path: str, data: bytes) -> None:

@@ -149,21 +149,7 @@ def _report(transport: wire.RankTransport, stage: str, exc: BaseException) -> No
         text = f"{exc.message}\n" if exc.message else ""
     else:
         text = "".join(traceback.format_exception(type(exc), exc, tb))
-    pickled: bytes | None
-    try:
-        pickled = serialization.dumps(exc)
-        serialization.loads(pickled)  # an exception with an unusual __init__ fails here
-    except Exception:  # noqa: BLE001 - an exception with an unusual __init__ fails to load
-        pickled = None
-    record = wire.ErrorRecord(
-        rank=rank,
-        time=when,
-        stage=stage,
-        type_name=f"{type(exc).__module__}.{type(exc).__qualname__}",
-        message=_safe_str(exc),
-        traceback=text,
-        exception=pickled,
-    )
+    record = wire.ErrorRecord.of(exc, rank, when, stage, text)
     unwritten = None
     try:
         transport.write_error(serialization.dumps(record))
@@ -185,13 +171,6 @@ def _is_ours(filename: str) -> bool:
     if filename == "<frozen runpy>" or os.path.basename(filename) == "runpy.py":
         return True
     return os.path.abspath(filename).startswith(_PACKAGE_DIR)
-
-
-def _safe_str(exc: BaseException) -> str:
-    try:
-        return str(exc)
-    except Exception:  # noqa: BLE001 - str() of a user's exception can raise anything
-        return f"<{type(exc).__name__}: str() failed>"
 
 
 _stacks_file: Any = None  # kept open: faulthandler writes to its descriptor when signalled
