@@ -6,7 +6,7 @@ the rank side (worker) imports nothing of the caller's side. Every import counts
 also those inside functions: a lazy import is still an arrow.
 
 ``python tests/unit/test_layers.py [PACKAGE_DIR]`` prints the numbers: modules, floors,
-arrows that run back up, circles, the largest module and function;
+arrows that run back up, circles, the largest module, function and class;
 ``python tests/unit/test_layers.py --write`` rewrites the layer table of
 docs/architecture.md from this map (a test fails when the two disagree).
 """
@@ -213,6 +213,20 @@ def largest(package: Path = PACKAGE) -> tuple[tuple[int, str], tuple[int, str]]:
     return biggest_module, biggest_function
 
 
+MAX_CLASS_LINES = 300  # issue 49: a class larger than this does more than one job
+
+
+def largest_class(package: Path = PACKAGE) -> tuple[int, str]:
+    """(lines, module.Class) of the longest class, its decorators included."""
+    biggest = (0, "")
+    for name, path in modules(package).items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                start = min([node.lineno] + [d.lineno for d in node.decorator_list])
+                biggest = max(biggest, ((node.end_lineno or node.lineno) - start + 1, f"{name}.{node.name}"))
+    return biggest
+
+
 def _functions(tree: ast.AST) -> Iterator[ast.FunctionDef | ast.AsyncFunctionDef]:
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -311,6 +325,11 @@ def test_the_check_itself_catches_an_arrow_up_and_a_circle(tmp_path):
     ]
 
 
+def test_no_class_does_more_than_one_job():
+    lines, name = largest_class()
+    assert lines <= MAX_CLASS_LINES, f"{name} is {lines} lines (at most {MAX_CLASS_LINES}): split it by job"
+
+
 def main() -> None:
     if sys.argv[1:] == ["--write"]:
         DOC.write_text(rendered(DOC.read_text()))
@@ -327,6 +346,8 @@ def main() -> None:
     print(f"circles: {len(circles(edges))} {circles(edges) or ''}")
     print(f"largest module: {module} ({module_lines} lines)")
     print(f"largest function: {function} ({function_lines} lines)")
+    class_lines, biggest_class = largest_class(package)
+    print(f"largest class: {biggest_class} ({class_lines} lines)")
 
 
 if __name__ == "__main__":
