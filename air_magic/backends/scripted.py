@@ -53,7 +53,7 @@ from typing import Any
 
 from air_magic.backends.call_loop import CallLoop
 from air_magic.errors import ConfigurationError, LaunchError, PayloadError
-from air_magic.launch.accelerators import DEFAULT_CPU_RANKS, AcceleratorPlan
+from air_magic.launch.accelerators import AcceleratorPlan, default_cpu_ranks
 from air_magic.launch.request import LaunchRequest, RunResult, StopRequest
 from air_magic.launch.settings import LaunchSettings
 from air_magic.protocol import serialization
@@ -149,7 +149,7 @@ class ScriptedBackend:
                     f"num_accelerators={world}, but the script has {len(self.ranks)} rank(s)"
                 )
             world = len(self.ranks)
-        return AcceleratorPlan(world_size=world or DEFAULT_CPU_RANKS, gpus=(), detected="scripted ranks")
+        return AcceleratorPlan(world_size=world or default_cpu_ranks(), gpus=(), detected="scripted ranks")
 
     def run(self, request: LaunchRequest, bus: EventBus) -> RunResult:
         scripts = list(self.ranks(request) if callable(self.ranks) else self.ranks)

@@ -182,7 +182,7 @@ class Session:
     def restart(self) -> Session:
         """Stop this session and start a new one with the same settings (the new one is returned)."""
         self.stop(quiet=True)
-        return Session(self.settings, self.name).start()
+        return Session(self.settings, self.name, self.call.given_backend).start()
 
     def status(self) -> str:
         """The session in words: its ranks, what each holds, the cells run, where its logs are."""

@@ -90,9 +90,7 @@ class Runner(Protocol):
 def runner_for(settings: LaunchSettings, backend: Backend | None = None) -> Runner:
     """The runner of a call with these settings (``backend``: the one to run it here with)."""
     on_ray, address = ray_address(settings)
-    if outlives_caller(settings):
-        if backend is not None:
-            raise ConfigurationError("a detached call is run by its supervisor: no backend can be given here")
+    if outlives_caller(settings):  # a given backend is not used here: the supervisor has its own
         return RayJob(address) if on_ray else LocalSupervisor()
     if backend is None:
         if on_ray:

@@ -8,8 +8,8 @@ the backend's loop with its lifeline, pidfds and teardown, locally or on Ray),
 on a thread of its own. :class:`SessionCall` is the request's ``CellChannel``
 (``launch/request.py``): before any rank starts the backend hands it a
 ``CellSender``; from the backend's thread come the call's events
-(:meth:`handle`) and each rank's answer to a cell (:meth:`answered`), after
-everything that rank printed before it. Both go, typed (:class:`FromLoop`,
+(:meth:`handle`), among them each rank's answer to a cell (``CellAnswered``),
+after everything that rank printed before it. Both go, typed (:class:`FromLoop`,
 :class:`Answer`), into one queue that the cell loop empties on the caller's
 thread.
 """
@@ -103,7 +103,7 @@ class SessionCall:
         self.ended_ranks: dict[int, str] = {}  # rank -> how it ended (status shows no memory for it)
         self.cells: Cells | None = None  # who runs the cells: asked for the current cell and outcome
         self.prepared: call.PreparedCall | None = None
-        self._given_backend = backend  # the one to run it with (a test's scripted backend), else the runner's
+        self.given_backend = backend  # the one to run it with (a test's scripted backend), else the runner's
         self._thread: threading.Thread | None = None
         self._queue: queue.SimpleQueue[Delivered] = queue.SimpleQueue()
         self._result: RunResult | None = None
@@ -124,7 +124,7 @@ class SessionCall:
             inspect.signature(func).bind(),
             settings,
             kind="session",
-            backend=self._given_backend,
+            backend=self.given_backend,
         )
         prepared.channel = self
         prepared.call_id = self.id

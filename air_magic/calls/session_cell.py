@@ -1,6 +1,6 @@
 """One cell of a persistent session (or its start), as the caller follows it: its answers, its outcome.
 
-``calls/persistent.py`` makes a :class:`SessionCell` for each cell it sends
+``calls/cell_loop.py`` makes a :class:`SessionCell` for each cell it sends
 to the ranks, hands it each rank's answer (:meth:`SessionCell.take_answer`) and,
 at the end, asks it for its values or its error: the same rules as a call's
 (``outcome/ledger.py``, ``outcome/failures.py``), where a rank interrupted because

@@ -82,6 +82,11 @@ class RunResult:
     values: list[Any] | None = None
     error: BaseException | None = None
 
+    @property
+    def run_id(self) -> str:
+        """The former name of call_id."""
+        return self.call_id
+
     def unwrap(self) -> list[Any]:
         if self.error is not None:
             # Raised here, the traceback starts at the caller's line, not inside the backend.

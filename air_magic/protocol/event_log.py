@@ -80,6 +80,8 @@ def to_line(event: Event) -> str:
     fields = dataclasses.asdict(event)
     if isinstance(event, RankExited):
         fields["state"] = event.state.value
+    if isinstance(event, (RunStarted, RunFinished)):  # the key every version reads (and writes)
+        fields["run_id"] = fields.pop("call_id")
     return json.dumps({"kind": type(event).__name__, **fields}) + "\n"
 
 

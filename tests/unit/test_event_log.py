@@ -71,13 +71,13 @@ def test_one_part_when_the_log_is_small(tmp_path):
     assert os.listdir(tmp_path) == ["events.jsonl"] and _follow(tmp_path, 0) == events
 
 
-def test_a_line_written_before_call_id_still_reads(tmp_path):
-    """An older supervisor's log named the call's id ``run_id``: a follower reads it as call_id."""
+def test_the_calls_id_keeps_its_key_on_disk(tmp_path):
+    """The log names the call's id ``run_id``, as every version wrote it and reads it (a follower of
+    another version still sees the run start and end); in Python it is call_id."""
     started = RunStarted("r1", 2, "local", "cpu", True, str(tmp_path), "train")
     finished = RunFinished("r1", Outcome.SUCCEEDED, 1.0, str(tmp_path))
     for event in (started, finished):
         line = event_log.to_line(event)
-        assert '"call_id": "r1"' in line
-        older = line.replace('"call_id"', '"run_id"')
-        assert event_log.from_line(older) == event_log.from_line(line) == event
+        assert '"run_id": "r1"' in line and "call_id" not in line
+        assert event_log.from_line(line) == event
     assert event_log.from_line(event_log.to_line(LINK)) == LINK  # the MLflow run's run_id stays

@@ -126,3 +126,11 @@ def test_a_ray_client_connection_whose_server_failed_to_start_is_tried_again(cap
     assert ray.calls == 3 and "attempt 2 of 3" in capsys.readouterr().err
     with pytest.raises(ConnectionAbortedError):  # not a Ray Client address: Ray's error as it is
         cluster._init(FlakyRay(), {"address": "head:6379"})
+
+
+def test_a_detached_call_given_a_backend_is_still_run_by_its_supervisor():
+    """ray_launch(detach=True) hands the driver's call a local backend: the supervisor runs it."""
+    from air_magic.backends.local.backend import LocalBackend
+
+    settings = make_settings(detach=True)
+    assert isinstance(runners.runner_for(settings, LocalBackend(warm_start=False)), runners.LocalSupervisor)

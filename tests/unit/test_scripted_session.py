@@ -101,3 +101,13 @@ def test_a_stopped_session_ends_its_ranks_as_their_own_scripts_say(session_of, c
     assert not session.alive() and backend.stops == []  # each rank left its loop: none was stopped
     with open(last_run().log_path(0)) as f:
         assert f.read() == "rank 0 set up\n"  # said as it started, before it answered ready
+
+
+def test_a_restarted_session_keeps_its_backend(session_of):
+    backend = ScriptedBackend([Rank(), Rank()], cells={1: [Rank(returns=1), Rank(returns=2)]})
+    session = session_of(backend)
+    again = session.restart()
+    try:
+        assert again.run(step, 1) == [1, 2]  # scripted again: no process was started
+    finally:
+        again.stop(quiet=True)
