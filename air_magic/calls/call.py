@@ -36,7 +36,7 @@ from air_magic.launch.request import CellChannel, LaunchRequest, RunResult
 from air_magic.launch.settings import LaunchSettings, stop_grace_s
 from air_magic.node import warm
 from air_magic.protocol import env_names
-from air_magic.protocol.events import Consumer, EventBus, Outcome, RecordLink
+from air_magic.protocol.events import Consumer, EventBus, Outcome
 from air_magic.tracking import run as tracking
 
 if TYPE_CHECKING:
@@ -158,7 +158,6 @@ class PreparedCall:
     kind: str = "function"  # 'function' or 'cell'; from the command line also 'script' or 'module'
     call_id: str | None = None  # the call's id if chosen before it runs (a detached run's); else backend's
     channel: CellChannel | None = None  # a persistent session's pipes to its ranks (calls/persistent.py)
-    record: RecordLink | None = None  # its tracked run's link, once run() has it (before the ranks start)
 
     def displays(self) -> list[Consumer]:
         """The display that ``settings.display`` names (built on the caller's thread: a background
@@ -180,7 +179,7 @@ class PreparedCall:
         # run is being created, on TrackedRunOwner's thread) ends it KILLED, never left RUNNING.
         try:
             tracked = run_owner.wait() if run_owner is not None else None
-            self.record = tracked.link() if tracked is not None else None
+            record = tracked.link() if tracked is not None else None
             request = LaunchRequest(
                 name=self.name,
                 payload=self.payload,
@@ -197,8 +196,8 @@ class PreparedCall:
             if tracked is not None:
                 wired.append(tracked)
             bus = EventBus(wired)
-            if self.record is not None:  # the first event: every consumer knows the run before a rank
-                bus.emit(self.record)
+            if record is not None:  # the first event: every consumer knows the run before a rank
+                bus.emit(record)
             assert self.backend is not None, f"{self.name} runs elsewhere ({self.runner})"
             result = self.backend.run(request, bus)
             outcome = result.outcome

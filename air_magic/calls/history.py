@@ -53,11 +53,11 @@ _runs: collections.deque[RunInfo] = collections.deque(maxlen=KEEP)
 
 class RunHistory:
     """Records each run's start, rank exits and end, and its MLflow run (the ``RecordLink`` event
-    before the start; ``record``: one known already, a session's for its cells)."""
+    before the start)."""
 
-    def __init__(self, record: RecordLink | None = None, *, summary: bool = True) -> None:
+    def __init__(self, *, summary: bool = True) -> None:
         self._current: RunInfo | None = None
-        self._record = record
+        self._record: RecordLink | None = None
         # A persistent session's cell shares the session's log folder: the session writes the summary.
         self._summary = summary
 

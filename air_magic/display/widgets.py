@@ -378,16 +378,17 @@ def _retire_the_oldest(display: WidgetDisplay) -> None:
             pass
 
 
-def make_consumers(display: str, record: RecordLink | None = None) -> list[Any]:
-    """The display consumers for a display mode: 'auto', 'tabs', 'text', 'rank0' or 'none'."""
+def make_consumers(display: str) -> list[Any]:
+    """The display consumers for a display mode: 'auto', 'tabs', 'text', 'rank0' or 'none' (the
+    call's MLflow run reaches them as its RecordLink event)."""
     from air_magic.display.text import TextDisplay
 
     if display == "none":
         return []
     if display == "text":
-        return [TextDisplay(record=record)]
+        return [TextDisplay()]
     if display == "rank0":
-        return [TextDisplay(ranks={0}, record=record)]
+        return [TextDisplay(ranks={0})]
     if display == "tabs" or widgets_available():
-        return [WidgetDisplay(record=record)]
-    return [TextDisplay(record=record)]
+        return [WidgetDisplay()]
+    return [TextDisplay()]
