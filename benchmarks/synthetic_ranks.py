@@ -46,7 +46,7 @@ from air_magic.launch.accelerators import AcceleratorPlan
 from air_magic.launch.request import LaunchRequest, RunResult, StopRequest
 from air_magic.launch.settings import LaunchSettings
 from air_magic.protocol import env_names, serialization, wire
-from air_magic.protocol.events import Event, EventBus, RankOutput, RunFinished
+from air_magic.protocol.events import Event, EventBus, RankOutput, RecordLink, RunFinished
 from air_magic.protocol.node_events import Exited, NodeLost, Output, Raised
 from air_magic.protocol.wire import ErrorRecord
 
@@ -368,10 +368,13 @@ class Probe:
         self.sent_first = self.sent_last = 0
         self.messages_first = self.messages_last = 0
         self.finished: RunFinished | None = None
+        self.record: RecordLink | None = None  # the tracked run (its first event)
 
     def handle(self, event: Event) -> None:
         now = time.monotonic()
-        if isinstance(event, RankOutput):
+        if isinstance(event, RecordLink):
+            self.record = event
+        elif isinstance(event, RankOutput):
             if self.first is None:
                 self.first, self.cpu_first, self.sent_first = now, _cpu(), CountingComm.sent_bytes
                 self.messages_first = CountingComm.messages
@@ -484,8 +487,8 @@ def run_scenario(
     steady_cpu = probe.cpu_last - probe.cpu_first - counting_cpu_s
     lat = sorted(probe.latencies) or [0.0]
     stored = None
-    if tracking and prepared.record is not None:
-        stored = _rows_in_store(prepared.record.run_id)
+    if tracking and probe.record is not None:
+        stored = _rows_in_store(probe.record.run_id)
     written = call.rows_written if call is not None else None
     view = displays[0]._view if displays and hasattr(displays[0], "_view") else None
     return {
