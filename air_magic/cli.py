@@ -88,8 +88,8 @@ def _main(argv: list[str] | None = None) -> int:
         commands = ", ".join(verbs.names("cli"))
         print(f"air-magic: unknown command {argv[0]!r} (commands: {commands})", file=sys.stderr)
         return USAGE_ERROR
-    try:
-        status: int = handler(argv[1:])
+    try:  # the verb's words, parsed by its spec first (verbs.py): a bad one runs nothing
+        status: int = handler(verbs.parse(argv[0], "cli", argv[1:]))
     except (UsageError, ConfigurationError) as exc:
         print(f"air-magic {argv[0]}: {exc}", file=sys.stderr)
         return USAGE_ERROR
@@ -314,55 +314,19 @@ def _check_function(module: str, qualname: str) -> None:
 
 
 # -- runs and logs ----------------------------------------------------------------------
-
-
-def _verb_parser(verb: str, more: str = "") -> argparse.ArgumentParser:
-    """``air-magic VERB``'s parser: its description is the verb table's (verbs.py), plus ``more``."""
-    description = (
-        f"{verbs.VERB[verb].does[0].upper()}{verbs.VERB[verb].does[1:]}.{' ' + more if more else ''}"
-    )
-    parser = argparse.ArgumentParser(prog=f"air-magic {verb}", description=description)
-    parser.error = _usage_error  # type: ignore[method-assign]
-    return parser
-
-
-def _log_parser(verb: str) -> argparse.ArgumentParser:
-    parser = _verb_parser(verb)
-    parser.add_argument("--log-dir", help="where the calls' log folders are (default: where calls put them)")
-    return parser
-
-
-def _add_cluster(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--cluster",
-        metavar="ray[=ADDRESS]",
-        help="also the runs on this Ray cluster (its dashboard, http://HEAD:8265); default: $RAY_ADDRESS",
-    )
+# Each verb's arguments are its row of the table (verbs.py), parsed there before its handler runs.
 
 
 @verbs.handles("runs", "cli")
-def _runs(argv: list[str]) -> int:
-    parser = _log_parser("runs")
-    parser.add_argument("-n", type=int, default=20, help="how many (default: 20)")
-    _add_cluster(parser)
-    args = parser.parse_args(argv)
+def _runs(args: argparse.Namespace) -> int:
     for line in verbs.runs(args.log_dir, args.n, cluster=ray_jobs.cluster_address(args.cluster)):
         print(line)
     return 0
 
 
-def _parse_run_rank(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
-    """The arguments of a verb that takes ``[RUN] [RANK]`` (``words``) and ``--cluster``."""
-    parser.add_argument("words", nargs="*", metavar="[RUN] [RANK]")
-    _add_cluster(parser)
-    return parser.parse_args(argv)
-
-
 @verbs.handles("logs", "cli")
-def _logs(argv: list[str]) -> int:
-    args = _parse_run_rank(_log_parser("logs"), argv)
-    run, rank = verbs.split_logs_args(args.words)
-    text = verbs.logs(run, rank, args.log_dir, cluster=ray_jobs.cluster_address(args.cluster))
+def _logs(args: argparse.Namespace) -> int:
+    text = verbs.logs(args.run, args.rank, args.log_dir, cluster=ray_jobs.cluster_address(args.cluster))
     sys.stdout.write(text if text.endswith("\n") or not text else text + "\n")
     return 0
 
@@ -464,14 +428,7 @@ def _start_detached(
 
 
 @verbs.handles("attach", "cli")
-def _attach(argv: list[str]) -> int:
-    parser = _verb_parser(
-        "attach", "The exit status says how it ended. Ctrl-C stops following; the run goes on."
-    )
-    parser.add_argument("run", metavar="RUN", nargs="?", help="its id (or the start of it)")
-    parser.add_argument("--json", action="store_true", help="one JSON object per event on stdout")
-    _add_cluster(parser)
-    args = parser.parse_args(argv)
+def _attach(args: argparse.Namespace) -> int:
     json_out = JsonLines() if args.json else None
     displays = _displays(args, json_out)
     found = anywhere.find(args.run, args.cluster)
@@ -500,19 +457,13 @@ def _attach(argv: list[str]) -> int:
 
 
 @verbs.handles("stack", "cli")
-def _stack(argv: list[str]) -> int:
-    args = _parse_run_rank(_verb_parser("stack", "RUN: a detached run's id (or the start of it)."), argv)
-    run, rank = verbs.split_run_rank(args.words, "stack")
-    print(verbs.stack_of_run(run, rank, cluster=args.cluster))
+def _stack(args: argparse.Namespace) -> int:
+    print(verbs.stack_of_run(args.run, args.rank, cluster=args.cluster))
     return 0
 
 
 @verbs.handles("cancel", "cli")
-def _cancel(argv: list[str]) -> int:
-    parser = _verb_parser("cancel")
-    parser.add_argument("run", metavar="RUN", help="its id (or the start of it)")
-    _add_cluster(parser)
-    args = parser.parse_args(argv)
+def _cancel(args: argparse.Namespace) -> int:
     run = anywhere.find(args.run, args.cluster)
     if run.status == "lost":  # its supervisor died (and its ranks with it): nothing left to stop
         print(f"air-magic: run {run.id} was lost (its supervisor died, its ranks with it); nothing to cancel")
@@ -529,19 +480,10 @@ def _cancel(argv: list[str]) -> int:
 
 
 @verbs.handles("ui", "cli")
-def _ui(argv: list[str]) -> int:
+def _ui(args: argparse.Namespace) -> int:
     from air_magic.tracking import ui as mlflow_ui
     from air_magic.tracking.store import current_uri
 
-    parser = _verb_parser(
-        "ui", "It listens on 127.0.0.1 and stops after a day without a call. Prints its address."
-    )
-    parser.add_argument(
-        "--store", help="the tracking URI (default: MLFLOW_TRACKING_URI, else the embedded store)"
-    )
-    parser.add_argument("--run", metavar="RUN_ID", help="print this MLflow run's page rather than the UI's")
-    parser.add_argument("--stop", action="store_true", help="stop the store's UI server")
-    args = parser.parse_args(argv)
     if importlib.util.find_spec("mlflow") is None:
         raise UsageError("MLflow is not installed: pip install 'air_magic[mlflow]'")
     uri = args.store or current_uri()
@@ -549,18 +491,7 @@ def _ui(argv: list[str]) -> int:
         stopped = mlflow_ui.stop_ui(uri)
         print(f"air-magic: the MLflow UI over {uri} {'stopped' if stopped else 'was not running'}")
         return 0
-    base = mlflow_ui.ensure_ui(uri)
-    if args.run is None:
-        print(base)
-        return 0
-    from mlflow.exceptions import MlflowException
-    from mlflow.tracking import MlflowClient
-
-    try:
-        experiment_id = MlflowClient(tracking_uri=uri).get_run(args.run).info.experiment_id
-    except MlflowException as exc:
-        raise UsageError(f"no MLflow run {args.run!r} in {uri}: {str(exc).splitlines()[0]}") from None
-    print(f"{base}/#/experiments/{experiment_id}/runs/{args.run}")
+    print(verbs.ui_page(uri, args.run))  # a run that is not there: ConfigurationError, one line
     return 0
 
 

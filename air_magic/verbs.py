@@ -5,7 +5,11 @@ on which surface it exists; the command line's help and the line magic's help
 and docstring are made from it, and both dispatch from it: each surface
 registers its function for a verb with :func:`handles` and finds it with
 :func:`handler` (``cli.py``, ``notebook/magics.py``; they import this module,
-never the reverse, so the table is filled as each surface is imported). The verbs
+never the reverse, so the table is filled as each surface is imported). Each
+verb's arguments are specified once, in its row (:class:`Arg`, an argument on
+one surface or both), and both surfaces parse a verb's words with that spec
+(:func:`parse`) before its handler runs: a bad or extra word is refused
+(:class:`VerbUsageError`, with the verb's usage) and nothing runs. The verbs
 that read what is on disk are written once here: :func:`runs` (the recent
 calls, detached runs included) and :func:`logs` (a call's log folder, or a
 rank's log). ``attach`` and ``cancel`` are ``calls/detached.py``'s on both.
@@ -13,10 +17,11 @@ rank's log). ``attach`` and ``cancel`` are ``calls/detached.py``'s on both.
 
 from __future__ import annotations
 
+import argparse
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, NoReturn, TypeVar
 
 from air_magic import paths
 from air_magic.calls import anywhere, detached, history, ray_jobs
@@ -24,17 +29,102 @@ from air_magic.errors import ConfigurationError
 from air_magic.protocol.events import Outcome
 
 Surface = Literal["cli", "magic"]
+BOTH: tuple[Surface, ...] = ("cli", "magic")
 _Handler = TypeVar("_Handler", bound=Callable[..., Any])
+
+
+@dataclass(frozen=True)
+class Arg:
+    """One argument of a verb: ``argparse``'s ``add_argument(*flags, **options)``, on the surfaces
+    in ``on`` (an option of one surface only: ``--log-dir`` and ``--cluster`` of the command line,
+    whose kernel has its own log folder and cluster)."""
+
+    flags: tuple[str, ...]
+    options: Mapping[str, Any] = field(default_factory=dict)
+    on: tuple[Surface, ...] = BOTH
+
+
+def arg(*flags: str, on: tuple[Surface, ...] = BOTH, **options: Any) -> Arg:
+    return Arg(flags, options, on)
+
+
+def split_logs_args(words: list[str]) -> tuple[str, int | None]:
+    """``[RUN] [RANK]``: a bare number is a rank; RUN defaults to 'last'."""
+    run, rank = split_run_rank(words, "logs")
+    return run or "last", rank
+
+
+def split_run_rank(words: list[str], verb: str) -> tuple[str | None, int | None]:
+    """``[RUN] [RANK]`` of ``verb``: a bare number is a rank, anything else a run."""
+    runs = [w for w in words if not w.isdigit()]
+    ranks = [int(w) for w in words if w.isdigit()]
+    if len(runs) > 1 or len(ranks) > 1:
+        raise ConfigurationError(
+            f"{verb} takes [RUN] [RANK] (a bare number is a RANK), got {' '.join(words)!r}"
+        )
+    return (runs[0] if runs else None), (ranks[0] if ranks else None)
+
+
+def _given_run_rank(args: argparse.Namespace) -> list[str]:
+    return [w for w in (args.run, args.rank) if w is not None]
+
+
+def _logs_run_rank(args: argparse.Namespace) -> None:
+    args.run, args.rank = split_logs_args(_given_run_rank(args))
+
+
+def _stack_run_rank(args: argparse.Namespace) -> None:
+    args.run, args.rank = split_run_rank(_given_run_rank(args), "stack")
+
+
+def _session_options(args: argparse.Namespace) -> None:
+    if args.options and args.action != "start":
+        raise ConfigurationError(
+            f"session {args.action} takes no options (got {' '.join(args.options)!r}); "
+            "a session's options are given at session start"
+        )
+
+
+def _count(text: str) -> int:
+    """A positive number (``runs -n 3``); argparse names the option when it is not one."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, not {value}")
+    return value
+
+
+# The arguments more than one verb has. RUN and RANK come in either order (_logs_run_rank).
+_LOG_DIR = arg(
+    "--log-dir", help="where the calls' log folders are (default: where calls put them)", on=("cli",)
+)
+_CLUSTER = arg(
+    "--cluster",
+    metavar="ray[=ADDRESS]",
+    help="also the runs on this Ray cluster (its dashboard, http://HEAD:8265); default: $RAY_ADDRESS",
+    on=("cli",),
+)
+_RUN_RANK = (
+    arg("run", nargs="?", metavar="RUN", help="a call's id (or the start of it)"),
+    arg("rank", nargs="?", metavar="RANK", help="one rank (a bare number is a RANK)"),
+)
 
 
 @dataclass(frozen=True)
 class Verb:
     name: str
-    args: str
+    args: str  # the usage the help tables show (the magic's: tests/unit/test_verb_arguments.py)
     does: str
     magic: bool = True  # a ``%distributed`` verb
     cli: bool = True  # an ``air-magic`` command
     magic_aliases: tuple[str, ...] = ()  # earlier names ``%distributed`` still takes (existing notebooks)
+    # Its arguments, parsed by parse() before its handler runs; None: its handler parses its words
+    # itself (``run``: a TARGET and the settings schema's options, cli.py).
+    arguments: tuple[Arg, ...] | None = ()
+    check: Callable[[argparse.Namespace], None] | None = None  # after parsing; ConfigurationError: refused
+    more: str = ""  # what ``air-magic VERB --help`` says after ``does``
 
     def on(self, surface: Surface) -> bool:
         return self.magic if surface == "magic" else self.cli
@@ -46,6 +136,7 @@ VERBS = (
         "[options] TARGET [ARGS]",
         "TARGET on every rank: script.py, -m module, module:function, notebook.ipynb",
         magic=False,
+        arguments=None,
     ),
     Verb(
         "status", "", "the last run of this kernel: outcome, time, each rank's state, log folder", cli=False
@@ -54,28 +145,61 @@ VERBS = (
         "runs",
         "[-n N]",
         "the recent calls, newest first: outcome, ranks, time, log folder (detached runs too)",
+        arguments=(_LOG_DIR, arg("-n", type=_count, default=20, help="how many (default: 20)"), _CLUSTER),
     ),
-    Verb("logs", "[RUN] [RANK]", "a call's log folder, or one rank's log (RUN: an id, or last: the default)"),
+    Verb(
+        "logs",
+        "[RUN] [RANK]",
+        "a call's log folder, or one rank's log (RUN: an id, or last: the default)",
+        arguments=(_LOG_DIR, *_RUN_RANK, _CLUSTER),
+        check=_logs_run_rank,
+    ),
     Verb(
         "stack",
         "[RUN] [RANK]",
         "every thread's stack in each rank of a run going on (default: the newest; a detached run by "
         "its id, here or on a Ray cluster)",
+        arguments=(*_RUN_RANK, _CLUSTER),
+        check=_stack_run_rank,
+        more="RUN: a detached run's id (or the start of it).",
     ),
     Verb(
-        "attach", "[RUN]", "follow a detached run (default: the newest running): its output so far, then live"
+        "attach",
+        "[RUN]",
+        "follow a detached run (default: the newest running): its output so far, then live",
+        arguments=(
+            arg("run", nargs="?", metavar="RUN", help="its id (or the start of it)"),
+            arg("--json", action="store_true", help="one JSON object per event on stdout", on=("cli",)),
+            _CLUSTER,
+        ),
+        more="The exit status says how it ended. Ctrl-C stops following; the run goes on.",
     ),
     Verb(
         "cancel",
         "[RUN]",
         "stop a run (every rank): a detached run by its id; in a kernel, RUN defaults to its newest "
         "run going on",
+        arguments=(
+            arg("run", metavar="RUN", help="its id (or the start of it)", on=("cli",)),
+            arg("run", nargs="?", metavar="RUN", help="its id (or the start of it)", on=("magic",)),
+            _CLUSTER,
+        ),
     ),
     Verb(
         "ui",
         "[--run RUN_ID]",
         "the MLflow UI over the store: the one server your kernels share, started if needed",
         magic_aliases=("mlflow-ui",),  # its first name
+        arguments=(
+            arg(
+                "--store",
+                help="the tracking URI (default: MLFLOW_TRACKING_URI, else the embedded store)",
+                on=("cli",),
+            ),
+            arg("--run", metavar="RUN_ID", help="this MLflow run's page rather than the UI's"),
+            arg("--stop", action="store_true", help="stop the store's UI server", on=("cli",)),
+        ),
+        more="It listens on 127.0.0.1 and stops after a day without a call. Prints its address.",
     ),
     Verb("settings", "", "what this machine has, where logs go", cli=False),
     Verb(
@@ -86,6 +210,18 @@ VERBS = (
         "start [options] | status | restart | stop",
         "keep ranks up between cells (SPEC §15)",
         cli=False,
+        arguments=(
+            arg(
+                "action",
+                nargs="?",
+                choices=("start", "status", "restart", "stop"),
+                default="status",
+                metavar="start|status|restart|stop",
+            ),
+            # start's: the options of %%distributed, parsed by its own parser (notebook/magics.py)
+            arg("options", nargs=argparse.REMAINDER),
+        ),
+        check=_session_options,
     ),
     Verb("help", "", "this list", cli=False),
 )
@@ -95,9 +231,61 @@ VERB = {v.name: v for v in VERBS}
 _MAGIC_ALIAS = {alias: v.name for v in VERBS for alias in v.magic_aliases}
 
 # Each surface's function for each of its verbs, filled by @handles as cli.py and magics.py are
-# imported. A command line handler takes the words after the verb and returns the exit status; a
-# line magic handler takes the rest of the line as typed and returns the magic's value.
+# imported. A handler takes what parse() made of the words after the verb (an argparse.Namespace;
+# ``run``'s, the words themselves) and returns the command's exit status, or the magic's value.
 _HANDLERS: dict[Surface, dict[str, Callable[..., Any]]] = {"cli": {}, "magic": {}}
+
+
+class VerbUsageError(ConfigurationError):
+    """Words a verb's spec refuses (a bad value, an unknown option, one word too many); nothing ran.
+    ``prog``: the verb as typed on its surface (``%distributed runs``), ``usage``: its usage line."""
+
+    def __init__(self, message: str, *, prog: str = "", usage: str = "") -> None:
+        super().__init__(message)
+        self.prog = prog
+        self.usage = usage
+
+
+class _VerbParser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise VerbUsageError(message, prog=self.prog, usage=self.format_usage().strip())
+
+
+def _canonical(command: str, surface: Surface) -> str:
+    return _MAGIC_ALIAS.get(command, command) if surface == "magic" else command
+
+
+def verb_parser(name: str, surface: Surface) -> argparse.ArgumentParser:
+    """The parser of verb ``name``'s arguments on ``surface``, made from its row of the table; its
+    errors raise :class:`VerbUsageError`. The command line's has ``-h/--help``; the magic's does
+    not (``%distributed help`` is the magic's help)."""
+    verb = VERB[_canonical(name, surface)]
+    if verb.arguments is None or not verb.on(surface):
+        raise ValueError(f"the verb table (air_magic/verbs.py) gives no {surface} parser of {name!r}")
+    prefix = "%distributed" if surface == "magic" else "air-magic"
+    description = f"{verb.does[0].upper()}{verb.does[1:]}.{' ' + verb.more if verb.more else ''}"
+    parser = _VerbParser(prog=f"{prefix} {verb.name}", description=description, add_help=surface == "cli")
+    for argument in verb.arguments:
+        if surface in argument.on:
+            parser.add_argument(*argument.flags, **argument.options)
+    return parser
+
+
+def parse(name: str, surface: Surface, words: list[str]) -> argparse.Namespace | list[str]:
+    """Verb ``name``'s ``words`` (what follows it on ``surface``), parsed by its spec: what its
+    handler takes. Raises :class:`VerbUsageError` for words the spec refuses; a verb whose handler
+    parses its own words (``arguments=None``: ``run``) gets them as they are."""
+    verb = VERB[_canonical(name, surface)]
+    if verb.arguments is None:
+        return words
+    parser = verb_parser(name, surface)
+    args = parser.parse_args(words)
+    if verb.check is not None:
+        try:
+            verb.check(args)
+        except ConfigurationError as exc:
+            parser.error(str(exc))
+    return args
 
 
 def handles(name: str, surface: Surface) -> Callable[[_Handler], _Handler]:
@@ -117,9 +305,7 @@ def handles(name: str, surface: Surface) -> Callable[[_Handler], _Handler]:
 def handler(command: str, surface: Surface) -> Callable[..., Any] | None:
     """``surface``'s handler of ``command`` (on the magic, an earlier name of a verb is that verb);
     None for a command that is not one of its verbs."""
-    if surface == "magic":
-        command = _MAGIC_ALIAS.get(command, command)
-    return _HANDLERS[surface].get(command)
+    return _HANDLERS[surface].get(_canonical(command, surface))
 
 
 def handlers(surface: Surface) -> dict[str, Callable[..., Any]]:
@@ -178,19 +364,22 @@ def runs(log_root: str | None = None, n: int = 20, cluster: str | None = None) -
     return [line for _, line in sorted(rows, reverse=True)[:n]]
 
 
-def split_logs_args(words: list[str]) -> tuple[str, int | None]:
-    """``[RUN] [RANK]``: a bare number is a rank; RUN defaults to 'last'."""
-    run, rank = split_run_rank(words, "logs")
-    return run or "last", rank
+def ui_page(uri: str, run: str | None = None) -> str:
+    """What ``ui [--run RUN_ID]`` opens: the address of the MLflow UI over the store ``uri``
+    (started if needed), or of MLflow run ``run``'s page there."""
+    from air_magic.tracking import ui as mlflow_ui
 
+    base = mlflow_ui.ensure_ui(uri)
+    if run is None:
+        return base
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
 
-def split_run_rank(words: list[str], verb: str) -> tuple[str | None, int | None]:
-    """``[RUN] [RANK]`` of ``verb``: a bare number is a rank, anything else a run."""
-    runs = [w for w in words if not w.isdigit()]
-    ranks = [int(w) for w in words if w.isdigit()]
-    if len(runs) > 1 or len(ranks) > 1:
-        raise ConfigurationError(f"{verb} takes [RUN] [RANK], got {' '.join(words)!r}")
-    return (runs[0] if runs else None), (ranks[0] if ranks else None)
+    try:
+        experiment_id = MlflowClient(tracking_uri=uri).get_run(run).info.experiment_id
+    except MlflowException as exc:
+        raise ConfigurationError(f"no MLflow run {run!r} in {uri}: {str(exc).splitlines()[0]}") from None
+    return f"{base}/#/experiments/{experiment_id}/runs/{run}"
 
 
 def stack(handle: Any, rank: int | None = None) -> str:

@@ -32,19 +32,35 @@ A persistent session (``request.channel``, ``calls/persistent.py``) gets a
 answers ready, then each cell as ``cells[number][rank]`` says (a ``Rank`` again:
 its lines, then the cell's value, its exception, a death, or no answer until
 the cell is interrupted; a cell not in ``cells`` returns None on every rank);
-when the session stops them, the ranks end as their own scripts say.
+when the session stops them, the ranks end as their own scripts say. A source
+cell (``Session.run_cell``, a ``%%distributed`` cell: the payload calls
+``worker/cell_runner.run_cell``) answers as a real rank's does, with a
+:class:`~air_magic.worker.cell_runner.CellOutcome`: ``returns`` is the value of
+the cell's last expression (none when its source does not end with one; a value
+that cannot be pickled is its ``value_error``), rank 0 brings back no names, and
+a ``CellOutcome`` given as ``returns`` is sent as it is; a source that does not
+compile raises its ``SyntaxError`` on every rank that would return.
 
 No process, socket, thread or file of its own: only the call's log folder the
-loop makes (``request.log_root``), with each rank's log, as for any call.
+loop makes, with each rank's log, as for any call. Unless ``log_dir=`` says
+where (``request.log_root``), it is made under a temp folder of this process
+(:func:`log_root`, removed at its exit), never under the default log root: a
+scripted call is not in the run history (``air-magic runs``) and never prunes it.
 Rank pids are above Linux's largest (``PID_MAX_LIMIT``): no process has one.
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import heapq
+import inspect
+import os
 import queue
+import shutil
 import signal
+import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
@@ -60,6 +76,7 @@ from air_magic.protocol import serialization
 from air_magic.protocol.events import EventBus
 from air_magic.protocol.node_events import Answer, Exited, NodeEvent, Output, Raised, Returned
 from air_magic.protocol.wire import ErrorRecord
+from air_magic.worker import cell_runner
 
 FIRST_PID = 1 << 22  # Linux's PID_MAX_LIMIT: a real pid is always below it
 MEMORY = {"rss": 0}  # what a session's rank says it holds, in each answer
@@ -159,6 +176,8 @@ class ScriptedBackend:
                 f"the script has {len(scripts)} rank(s) (nodes: {self.nodes}); the call has {world}"
             )
         self.stops = []
+        if request.log_root is None:  # no log_dir= given: its logs are not the user's run history
+            request = dataclasses.replace(request, log_root=log_root())
         call = _ScriptedCall(self, request, bus, scripts)
         self._call = call
         try:
@@ -276,8 +295,9 @@ class _ScriptedCall(CallLoop):
             facts.append(exit_)
         return facts
 
-    def _cell(self, number: int) -> None:
-        """Cell ``number`` on every rank still in the session (a rank stuck in a cell never reads it)."""
+    def _cell(self, number: int, source: _SourceCell | None) -> None:
+        """Cell ``number`` on every rank still in the session (a rank stuck in a cell never reads it);
+        ``source``: it runs a cell's source (``cell_runner.run_cell``), whose ranks answer CellOutcomes."""
         scripts = self.backend.cells.get(number) or [Rank()] * self.world
         if len(scripts) != self.world:
             raise LaunchError(f"cell {number}: {len(scripts)} rank(s) scripted, {self.world} in the session")
@@ -294,20 +314,26 @@ class _ScriptedCall(CallLoop):
                 code = -script.killed_by if script.killed_by is not None else script.exits
                 facts.append(_exited(r.rank, code, when))
             else:
-                record, result, text = self._outcome(r.rank, script, when)
+                record, result, text = self._outcome(r.rank, script, when, source)
                 if record is not None:
                     facts.append(Output(r.rank, "stderr", text.encode()))
                 facts.append(_answer(r.rank, {"cell": number, "ok": record is None}, record or result))
             self._schedule(r.rank, when, facts)
 
-    def _outcome(self, rank: int, script: Rank, when: float) -> tuple[bytes | None, bytes | None, str]:
-        """What a rank that raises or returns writes: (its error record, its pickled value, its traceback)."""
+    def _outcome(
+        self, rank: int, script: Rank, when: float, source: _SourceCell | None = None
+    ) -> tuple[bytes | None, bytes | None, str]:
+        """What a rank that raises or returns writes: (its error record, its pickled value, its traceback);
+        in a source cell (``source``), what ``cell_runner.run_cell`` returns there."""
         if script.killed_by is not None or script.exits is not None:
             return None, None, ""
         exc, stage = script.raises, "run"
+        if exc is None and source is not None:
+            exc = source.error  # a source that does not compile fails on every rank that runs it
         if exc is None:
             try:
-                return None, serialization.dumps_result(script.value), ""
+                value = script.value if source is None else source.outcome(script.value)
+                return None, serialization.dumps_result(value), ""
             except Exception as error:  # noqa: BLE001 - reported as a real rank reports it
                 exc = PayloadError(f"rank {rank}'s return value cannot be sent back: {error}")
                 stage = "result"
@@ -318,7 +344,7 @@ class _ScriptedCall(CallLoop):
         """A session's message to its ranks (or a stop's wake-up: nothing to do)."""
         now = self._now()
         if message[0] == "cell":
-            self._cell(message[1])
+            self._cell(message[1], message[2])
         elif message[0] == "interrupt":  # the ranks hanging in the cell raise KeyboardInterrupt
             for rank in message[1]:
                 number = self._in_cell.pop(rank, None)
@@ -355,7 +381,7 @@ class _ScriptedCells:
         self._inbox = inbox
 
     def send_cell(self, number: int, payload: bytes) -> None:
-        self._inbox.put(("cell", number))
+        self._inbox.put(("cell", number, _SourceCell.of(payload)))
 
     def send_stop(self) -> None:
         self._inbox.put(("stop",))
@@ -392,3 +418,61 @@ def _error_record(rank: int, when: float, exc: BaseException, stage: str, name: 
     text += "".join(traceback.format_exception_only(type(exc), exc))
     record = ErrorRecord.of(exc, rank, when, stage, text)
     return serialization.dumps(record), text
+
+
+@dataclass(frozen=True)
+class _SourceCell:
+    """A cell that runs source (its payload calls ``cell_runner.run_cell``), as its ranks see it."""
+
+    ends_with_expression: bool  # its last statement is an expression: every rank sends back its value
+    error: SyntaxError | None  # it does not compile: the error every rank raises
+
+    @classmethod
+    def of(cls, payload: bytes) -> _SourceCell | None:
+        """The cell's source, if ``payload`` (a session cell's: ``((fn, args, kwargs, sources),
+        caller)``, calls/cell_loop.py) runs one; None for a function (or one that does not load)."""
+        try:
+            fn, args, kwargs, _ = serialization.loads(serialization.loads(payload)[0])
+            if fn is not cell_runner.run_cell:
+                return None
+            arguments = inspect.signature(cell_runner.run_cell).bind(*args, **kwargs).arguments
+            source, filename = arguments["source"], arguments["filename"]
+        except Exception:  # noqa: BLE001 - not a source cell this backend can read: a function's
+            return None
+        try:
+            _, last = cell_runner.compile_cell(source, filename)  # as the rank's run_cell does first
+        except SyntaxError as exc:
+            return cls(False, exc)
+        return cls(last is not None, None)
+
+    def outcome(self, value: Any) -> cell_runner.CellOutcome:
+        """What a rank's ``run_cell`` returns when the cell's last expression is ``value``."""
+        if isinstance(value, cell_runner.CellOutcome):
+            return value
+        outcome = cell_runner.CellOutcome(value=None)
+        if self.ends_with_expression:
+            try:
+                outcome.value = serialization.dumps_result(value)
+            except Exception as exc:  # noqa: BLE001 - as cell_runner.run_cell: said, not raised
+                outcome.value_error = f"{serialization.describe_type(value)}: {exc}"
+        return outcome
+
+
+_log_root: str | None = None  # this process's folder for scripted calls' log folders (log_root())
+_log_root_lock = threading.Lock()
+
+
+def log_root() -> str:
+    """Where a scripted call without ``log_dir=`` makes its log folder: a private temp folder of
+    this process (``tempfile.mkdtemp``), made at its first call and removed at its exit."""
+    global _log_root
+    with _log_root_lock:
+        if _log_root is None or not os.path.isdir(_log_root):
+            _log_root = tempfile.mkdtemp(prefix="air-magic-scripted-")
+            atexit.register(_remove_log_root, _log_root, os.getpid())
+        return _log_root
+
+
+def _remove_log_root(path: str, pid: int) -> None:
+    if os.getpid() == pid:  # not a forked child's exit: the folder is its parent's
+        shutil.rmtree(path, ignore_errors=True)

@@ -33,7 +33,13 @@ from air_magic.launch.request import RunResult
 from air_magic.outcome.failures import root_cause_rank
 from air_magic.outcome.ledger import timeout_error
 from air_magic.protocol import serialization
-from air_magic.protocol.events import EventBus, Outcome, RankStarted, RunFinished, RunStarted, Tick
+from air_magic.protocol.events import (
+    EventBus,
+    Outcome,
+    RankStarted,
+    RunFinished,
+    Tick,
+)
 from air_magic.tracking import session_steps
 
 PEER_GRACE_S = 1.0  # after a rank's error, how long the others get to end the cell on their own
@@ -261,8 +267,8 @@ class CellLoop:
         if isinstance(event, RunFinished):
             self.session.finished = event
             self.session.ended_why = self.session.ended_why or (event.error or event.outcome)
-        elif not (isinstance(event, RunStarted) and cell.number != 0):
-            cell.bus.emit(event)
+        else:
+            cell.show(event)
 
     def _close(self, cell: SessionCell, outcome: Outcome, error: BaseException | None) -> None:
         """The cell's end, for its display and history; its files go."""
@@ -276,16 +282,10 @@ class CellLoop:
         if cell.number:
             cell.bus.emit(session.state_event(cell.number))
         failed_rank = root_cause_rank(error) if outcome is Outcome.FAILED else None
-        cell.bus.emit(
-            RunFinished(
-                call_id=f"{session.id}.{cell.number}",
-                outcome=outcome,
-                elapsed=time.monotonic() - cell.started,
-                log_dir=session.log_dir or "",
-                error=None if error is None else f"{type(error).__name__}: {error}",
-                failed_rank=failed_rank,
-            )
-        )
+        said = None if error is None else f"{type(error).__name__}: {error}"
+        elapsed = time.monotonic() - cell.started
+        call_id = f"{session.id}.{cell.number}"
+        cell.bus.emit(RunFinished(call_id, outcome, elapsed, session.log_dir or "", said, failed_rank))
         self.log_step_once(cell, outcome)
         if ended:
             # The session ended under this cell, which said so: the next cell is not told again
@@ -294,6 +294,8 @@ class CellLoop:
         if cell.number and outcome is not Outcome.SUCCEEDED:
             why = f"{type(error).__name__}: {error}" if error else str(outcome)
             self.failed.append(FailedCell(cell.number, why, root_cause_rank(error)))
+        if not ended:  # a rank that dies between cells is quoted from what it printed after this one
+            session.reset_tails()
 
     # -- outcomes ---------------------------------------------------------------------------
 

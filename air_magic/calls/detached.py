@@ -439,6 +439,7 @@ def follow_run(place: RunPlace, displays: list[Any], on_result: Any, more: Seque
         last_tick = 0.0
         finished: RunFinished | None = None
         gone = False  # the supervisor died: read what it wrote to the end, then stop
+        linked = False  # its RecordLink came (a run of an older version has it in state.json only)
         for event in event_log.follow(lambda part: place.lines_of(part, stop), place.replay_from(), stop):
             now = time.monotonic()
             if event is None:
@@ -446,6 +447,12 @@ def follow_run(place: RunPlace, displays: list[Any], on_result: Any, more: Seque
                 if gone:
                     break
             else:
+                linked = linked or isinstance(event, RecordLink)
+                if isinstance(event, RunStarted) and not linked:
+                    record = record_in_state(place.state())
+                    if record is not None:
+                        _emit(consumers, record)
+                    linked = True
                 if isinstance(event, RankStarted):
                     pids[event.rank] = event.pid
                 elif isinstance(event, RankExited):
@@ -520,6 +527,16 @@ def stop_following(handle: RunHandle) -> str:
         f"(%distributed attach {run}, air-magic attach {run}); stop it: .cancel() on that handle "
         f"(air-magic cancel {run})"
     )
+
+
+def record_in_state(state: dict[str, Any]) -> RecordLink | None:
+    """The MLflow run as state.json names it: a run started by an older version (before its event
+    log carried the RecordLink event) is shown with its link all the same."""
+    run_id = state.get("mlflow_run_id")
+    if not isinstance(run_id, str) or not run_id:
+        return None
+    url = state.get("mlflow_url")
+    return RecordLink(run_id, str(state.get("mlflow") or ""), url if isinstance(url, str) else None)
 
 
 def _emit(consumers: list[Any], event: Event) -> None:

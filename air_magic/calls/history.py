@@ -16,12 +16,14 @@ from typing import Any
 
 from air_magic import paths, private_files
 from air_magic.errors import ConfigurationError
+from air_magic.former_names import former_names
 from air_magic.protocol import wire
 from air_magic.protocol.events import Event, Outcome, RankExited, RecordLink, RunFinished, RunStarted
 
 KEEP = 50  # calls remembered per process (last_run() needs one; %distributed status shows one)
 
 
+@former_names(run_id="call_id")
 @dataclass
 class RunInfo:
     call_id: str  # the call's id (its log folder's name); its MLflow run's is mlflow_run_id

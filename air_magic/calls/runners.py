@@ -15,7 +15,9 @@ where its ranks are started::
 Each runner says what the caller's side prepares with (:meth:`prepare`: the
 accelerator plan, and the backend that will start the ranks here, if any), runs
 a prepared call to its end (:meth:`run`), starts it and hands back its handle at
-once (:meth:`start`) and re-opens a run by its id (:meth:`attach`). A backend only
+once (:meth:`start`). Re-opening a run by its id is not a runner's: the run may be
+from another process or version, so ``calls/anywhere.attach`` finds it (a detached run
+here or a Ray job) and follows its event log. A backend only
 starts and watches processes; it never learns how long the caller stays.
 """
 
@@ -23,18 +25,14 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from air_magic.backends.base import Backend
 from air_magic.backends.local.backend import LocalBackend
-from air_magic.errors import ConfigurationError
 from air_magic.launch.accelerators import AcceleratorPlan
 from air_magic.launch.request import RunResult
 from air_magic.launch.settings import LaunchSettings
 from air_magic.protocol.events import Consumer
-
-if TYPE_CHECKING:
-    from air_magic.calls.background import RunHandle
 
 OnResult = Callable[[RunResult], Any] | None
 
@@ -82,10 +80,6 @@ class Runner(Protocol):
         """Start, and hand back the run's handle at once."""
         ...
 
-    def attach(self, call_id: str, display: str = "auto") -> Any:
-        """The handle of a run this runner started, by its id."""
-        ...
-
 
 def runner_for(settings: LaunchSettings, backend: Backend | None = None) -> Runner:
     """The runner of a call with these settings (``backend``: the one to run it here with)."""
@@ -128,14 +122,6 @@ class InThisProcess:
 
         return background.start_background(prepared, on_result=on_result, consumers=consumers)
 
-    def attach(self, call_id: str, display: str = "auto") -> RunHandle:
-        from air_magic.calls import background
-
-        for handle in background.running():
-            if handle.call_id == call_id:
-                return handle
-        raise ConfigurationError(f"no run {call_id!r} is going on in the background of this process")
-
 
 def follow_to_the_end(handle: Any) -> RunResult:
     """A detached run in the foreground: follow it here to its end. Ctrl-C (the stop button) stops
@@ -173,11 +159,6 @@ class LocalSupervisor:
     def run(self, prepared: PreparedCall, consumers: Sequence[Consumer] = ()) -> RunResult:
         return follow_to_the_end(self.start(prepared, None, consumers))
 
-    def attach(self, call_id: str, display: str = "auto") -> RunHandle:
-        from air_magic.calls import detached
-
-        return detached.attach(call_id, display)
-
 
 class RayJob:
     """A Ray job's supervisor runs the call on the cluster (``calls/ray_jobs.py``); nothing is
@@ -206,8 +187,3 @@ class RayJob:
 
     def run(self, prepared: PreparedCall, consumers: Sequence[Consumer] = ()) -> RunResult:
         return follow_to_the_end(self.start(prepared, None, consumers))
-
-    def attach(self, call_id: str, display: str = "auto") -> RunHandle:
-        from air_magic.calls import ray_jobs
-
-        return ray_jobs.attach(call_id, self.address, display)

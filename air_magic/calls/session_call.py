@@ -276,6 +276,11 @@ class SessionCall:
         """A new cell's own last lines: its error never quotes what an earlier cell printed."""
         self.tails = [RankTail() for _ in range(self.world_size)]
 
+    def last_lines(self, rank: int, n: int) -> list[str]:
+        """The channel's side (launch/request.CellChannel): the session's end quotes these too."""
+        tails = self.tails
+        return tails[rank].last(n) if 0 <= rank < len(tails) else []
+
     def state_event(self, cells: int) -> SessionState:
         ranks = tuple(
             (rank, self.pids.get(rank, 0), memory_words(self.memory.get(rank)))

@@ -18,7 +18,7 @@ from air_magic import paths
 from air_magic.errors import LaunchError
 from air_magic.outcome.failures import RankFailure, build_exception
 from air_magic.outcome.ledger import load_record, load_results
-from air_magic.protocol.events import EventBus, RankExited, RankState
+from air_magic.protocol.events import Event, EventBus, RankExited, RankState, RunStarted
 
 
 @dataclass
@@ -69,6 +69,20 @@ class SessionCell:
             else:
                 reason, state = "raised an exception", RankState.FAILED
         self.bus.emit(RankExited(rank=rank, state=state, exit_code=None, reason=reason))
+
+    def show(self, event: Event) -> None:
+        """An event of the session's call, in this cell's view: not the session's start again, nor
+        the process end of a rank that raised in this cell (the session's stop that followed): its
+        state stays "failed", the cell's root cause or a peer of it."""
+        if self.number and isinstance(event, RunStarted):
+            return
+        if isinstance(event, RankExited) and self.raised_here(event.rank):
+            return
+        self.bus.emit(event)
+
+    def raised_here(self, rank: int) -> bool:
+        """The rank raised in this cell (not our interrupt's KeyboardInterrupt)."""
+        return bool(self.number) and rank in self.records and rank not in self.interrupted
 
     def succeeded(self) -> bool:
         return all(self.answers.get(r) for r in range(self.world_size))

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from air_magic.former_names import former_names
 from air_magic.launch.accelerators import AcceleratorPlan
 from air_magic.launch.settings import DEFAULT_STOP_GRACE
 from air_magic.protocol.events import Outcome
@@ -67,7 +68,13 @@ class CellChannel(Protocol):
         and its cells': what its RunFinished says, so its history line and its tracked run agree."""
         ...
 
+    def last_lines(self, rank: int, n: int) -> list[str]:
+        """A rank's last lines since the session's current cell began (or its last one ended): what
+        an error quotes, never an earlier cell's output."""
+        ...
 
+
+@former_names(run_id="call_id")
 @dataclass
 class RunResult:
     """How a call ended: every rank's value in rank order, or the error to raise.

@@ -142,6 +142,17 @@ def _check_env(value: Any) -> dict[str, str]:
         isinstance(k, str) and isinstance(v, str) for k, v in value.items()
     ):
         raise ConfigurationError("env must be a mapping of str to str (extra environment for every rank)")
+    for name, text in value.items():
+        # What the OS refuses at the rank's start (every rank would fail there, each the same way).
+        if not name or "=" in name or "\0" in name:
+            raise ConfigurationError(f"env: {name!r} cannot be an environment variable's name")
+        if "\0" in text:
+            raise ConfigurationError(f"env: the value of {name} holds a NUL, which no environment can")
+        if name in env_names.SET_BY_THE_LAUNCHER:
+            raise ConfigurationError(
+                f"env: {name} is set by air_magic for each rank (where it stands, its peers, its caller) "
+                "and cannot be given; num_accelerators= chooses the number of ranks"
+            )
     return dict(value)
 
 
@@ -518,7 +529,13 @@ def argument_specs() -> list[tuple[tuple[str, ...], dict[str, Any]]]:
                 keywords["choices"] = setting.choices
             if setting.repeat:
                 keywords["action"] = _MergeAction
-        specs.append((flags_of(name), keywords))
+        own = flags_of(name)[:-1] if setting.alias else flags_of(name)
+        specs.append((own, keywords))
+        if setting.alias:
+            # The former name's flag keeps its own dest, so both on one line reach make_settings,
+            # which refuses them when they differ (argparse alone would keep the last).
+            former = {**keywords, "dest": setting.alias, "help": argparse.SUPPRESS}
+            specs.append(((_long_flag(setting.alias),), former))
     return specs
 
 
@@ -530,7 +547,8 @@ def add_arguments(parser: argparse._ActionsContainer) -> None:
 
 def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The :func:`make_settings` keywords of the setting options present in ``args``."""
-    return {name: getattr(args, name) for name in SETTINGS if hasattr(args, name)}
+    names = (*SETTINGS, *ALIASES)  # a former name's flag keeps its own dest (see argument_specs)
+    return {name: getattr(args, name) for name in names if hasattr(args, name)}
 
 
 def _string_type(name: str) -> Callable[[str], Any]:

@@ -10,6 +10,8 @@ import os
 import resource
 import sys
 
+from air_magic.errors import ConfigurationError
+
 # Descriptors this process holds per rank while a call runs: stdout and stderr pipes, a pidfd,
 # the rank's log, its metric file, a session's two pipes; and a margin for everything else.
 FDS_PER_RANK = 8
@@ -17,6 +19,25 @@ FDS_MARGIN = 64
 
 
 _said_open_files = False
+
+
+def refuse_beyond_the_hard_limit(ranks: int) -> None:
+    """Before anything of the call exists (its MLflow run, its log folder): a number of ranks whose
+    descriptors this process could never hold (its hard limit) is a clear error, not "Too many open
+    files" from deep inside the ranks' start."""
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY:
+        return
+    try:
+        in_use = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return
+    needed = in_use + FDS_PER_RANK * ranks + FDS_MARGIN
+    if needed > hard:
+        raise ConfigurationError(
+            f"{ranks} ranks need about {needed} open files in this process, above its hard limit of "
+            f"{hard} (ulimit -Hn): ask for fewer ranks, or raise the limit"
+        )
 
 
 def ensure_open_files(ranks: int) -> None:

@@ -183,48 +183,53 @@ class DistributedMagics(Magics):
         handler = verbs.handler(command, "magic")
         if handler is None:
             raise UsageError(f"%distributed: unknown command {command!r}.\n{_HELP}")
-        return handler(words[1] if len(words) > 1 else "")
+        # The rest of the line, split as a shell would (session start's quoted option values),
+        # then parsed by the verb's spec (verbs.py), as air-magic parses it: a bad or extra word
+        # is one UsageError naming the verb and its usage, and nothing runs.
+        try:
+            args = verbs.parse(command, "magic", arg_split(words[1] if len(words) > 1 else "", posix=True))
+        except verbs.VerbUsageError as exc:
+            raise UsageError(f"{exc.prog}: {exc}\n{exc.usage}") from None
+        return handler(args)
 
 
-# The line magic's verbs (verbs.py's table): each takes the rest of the line as typed, which
-# session splits as a shell would (its options' quoted values), the others at whitespace; one
-# that takes no arguments ignores it. Each returns the magic's value.
+# The line magic's verbs (verbs.py's table): each takes its words as the verb's spec parsed them
+# (an argparse.Namespace) and returns the magic's value.
 
 
 @verbs.handles("settings", "magic")
-def _show_settings(rest: str) -> None:
+def _show_settings(args: argparse.Namespace) -> None:
     gpus = detect_gpus()
     print(f"accelerators: {describe(gpus)}")
     print(f"log folder: {paths.default_log_root()}")
 
 
 @verbs.handles("restart", "magic")
-def _restart(rest: str) -> None:
+def _restart(args: argparse.Namespace) -> None:
     session.restart_warm_start()
     print("air_magic: the warm starter was stopped; the next call starts a fresh one")
 
 
 @verbs.handles("runs", "magic")
-def _runs(rest: str) -> None:
+def _runs(args: argparse.Namespace) -> None:
     print(
-        "\n".join(verbs.runs(cluster=ray_jobs.cluster_address()))
+        "\n".join(verbs.runs(n=args.n, cluster=ray_jobs.cluster_address()))
         or "air_magic: no call yet in the log folder"
     )
 
 
 @verbs.handles("help", "magic")
-def _help(rest: str) -> None:
+def _help(args: argparse.Namespace) -> None:
     print(_HELP)
 
 
 @verbs.handles("session", "magic")
-def _session(rest: str) -> Any:
+def _session(given: argparse.Namespace) -> Any:
     """%distributed session start [options] | status | restart | stop"""
-    words = arg_split(rest, posix=True)
-    action = words[0] if words else "status"
+    action = given.action
     live = persistent.active()
-    if action == "start":
-        args = DistributedMagics.distributed.parser.parse_args(words[1:])
+    if action == "start":  # its options: the cell's (the schema's), by the cell magic's parser
+        args = DistributedMagics.distributed.parser.parse_args(given.options)
         for option in ("push", "pull"):
             if getattr(args, option, None):
                 raise UsageError(f"%distributed session start: --{option} is for a cell, not the session")
@@ -249,7 +254,7 @@ def _session(rest: str) -> Any:
             live.stop()
             return None
         return live.restart()
-    raise UsageError(f"%distributed session: unknown command {action!r} (start, status, restart, stop)")
+    raise AssertionError(f"session {action!r}: not one of the spec's choices (verbs.py)")
 
 
 def _check_session_options(live: persistent.Session, args: argparse.Namespace) -> None:
@@ -287,8 +292,7 @@ def _settings(args: argparse.Namespace) -> LaunchSettings:
 
 
 @verbs.handles("ui", "magic")
-def _mlflow_ui(rest: str) -> Any:
-    from air_magic.tracking import ui as mlflow_ui
+def _mlflow_ui(args: argparse.Namespace) -> Any:
     from air_magic.tracking.mlflow_import import import_mlflow
     from air_magic.tracking.store import current_uri
 
@@ -297,11 +301,15 @@ def _mlflow_ui(rest: str) -> Any:
         raise UsageError("MLflow is not installed: pip install 'air_magic[mlflow]'")
 
     uri = current_uri()
-    base = mlflow_ui.ensure_ui(uri)
+    try:
+        page = verbs.ui_page(uri, args.run)
+    except ConfigurationError as exc:  # no such MLflow run
+        raise UsageError(f"%distributed ui: {exc}") from None
     from IPython.display import HTML, display
 
-    display(HTML(f'<a href="{base}" target="_blank">MLflow UI</a> on {base} (store {uri})'))
-    print(f"MLflow UI: {base}")
+    title = "MLflow UI" if args.run is None else f"MLflow run {args.run}"
+    display(HTML(f'<a href="{page}" target="_blank">{title}</a> on {page} (store {uri})'))
+    print(f"{title}: {page}")
     return None
 
 
@@ -321,9 +329,9 @@ def _newest_background() -> background.RunHandle:
 
 
 @verbs.handles("stack", "magic")
-def _stack(rest: str) -> Any:
+def _stack(args: argparse.Namespace) -> Any:
+    run, rank = args.run, args.rank
     try:
-        run, rank = verbs.split_run_rank(rest.split(), "%distributed stack")
         print(verbs.stack_of_run(run, rank) if run is not None else verbs.stack(_newest_background(), rank))
     except ConfigurationError as exc:
         raise UsageError(str(exc)) from None
@@ -331,21 +339,19 @@ def _stack(rest: str) -> Any:
 
 
 @verbs.handles("attach", "magic")
-def _attach(rest: str) -> Any:
-    args = rest.split()
+def _attach(args: argparse.Namespace) -> Any:
     try:
-        return anywhere.attach(args[0] if args else None)
+        return anywhere.attach(args.run)
     except ConfigurationError as exc:
         raise UsageError(str(exc)) from None
 
 
 @verbs.handles("cancel", "magic")
-def _cancel(rest: str) -> None:
+def _cancel(args: argparse.Namespace) -> None:
     """The newest run this kernel started or follows; another one only when named (RUN)."""
-    args = rest.split()
-    if args:
+    if args.run is not None:
         try:
-            handle = anywhere.attach(args[0], display="none")
+            handle = anywhere.attach(args.run, display="none")
         except ConfigurationError as exc:
             raise UsageError(str(exc)) from None
     else:
@@ -372,7 +378,7 @@ def _starting() -> str | None:
 
 
 @verbs.handles("status", "magic")
-def _status(rest: str) -> None:
+def _status(args: argparse.Namespace) -> None:
     info = history.last_run()
     starting = _starting()
     if starting is not None:
@@ -395,14 +401,14 @@ def _status(rest: str) -> None:
 
 
 @verbs.handles("logs", "magic")
-def _logs(rest: str) -> None:
+def _logs(args: argparse.Namespace) -> None:
     """This kernel's last call (or RUN): its log folder, or the end of one rank's log."""
     starting = _starting()
     if starting is not None:  # this kernel's newest run has no log folder yet
         print(starting)
         return
+    run, rank = args.run, args.rank
     try:
-        run, rank = verbs.split_logs_args(rest.split())
         last = history.last_run()
         if run == "last" and last is None:
             print("air_magic: no run yet in this kernel (%distributed logs RUN shows another's)")

@@ -280,14 +280,22 @@ class CallLedger:
             failures,
             world_size=len(self.records),
             log_path=self.router.log_path,
-            last_lines=lambda rank: self.router.tails[rank].last(10),
+            last_lines=lambda rank: self.last_lines(rank, 10),
             cpu_mode=self.request.plan.cpu_mode,
         )
 
     def timeout_error(self, running: list[int], stacks: dict[int, str]) -> DistributedTimeoutError:
         """The call's timeout ran out with ``running`` still in it (their last lines, their stacks)."""
-        rows = [(rank, self.router.tails[rank].last(5), self.records[rank].returned) for rank in running]
+        rows = [(rank, self.last_lines(rank, 5), self.records[rank].returned) for rank in running]
         return timeout_error(self.request.timeout or 0.0, rows, stacks, self.log_dir)
+
+    def last_lines(self, rank: int, n: int) -> list[str]:
+        """What an error quotes of a rank: a session's are its current cell's (its channel keeps
+        them), never what an earlier cell printed; a call's are all it printed."""
+        channel = self.request.channel
+        if channel is not None:
+            return channel.last_lines(rank, n)
+        return self.router.tails[rank].last(n)
 
 
 def load_record(data: bytes | None) -> Any:

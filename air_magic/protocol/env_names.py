@@ -82,6 +82,16 @@ LAUNCH_NAMES = frozenset(
     }
 )  # fmt: skip
 LAUNCH_PREFIXES = ("TORCHELASTIC_", "AIR_MAGIC_", "MLFLOW_")
+# Of those, what says where a rank stands and how it finds its peers and its caller: ``env=`` may not
+# set them (a rank told another RANK or WORLD_SIZE ends "without a result", far from the cause).
+SET_BY_THE_LAUNCHER = frozenset(
+    {
+        "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "ROLE_RANK",
+        "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+        "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_USE_AGENT_STORE", CALL_ID, RUN_DIR, LOG_DIR, LIFELINE_FD,
+        OUTPUT_FDS, CALLER_PID, METRICS_DIR, SHARED_RUN,
+    }
+)  # fmt: skip
 
 
 def kept_by_the_ranks(name: str) -> bool:

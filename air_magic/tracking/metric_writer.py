@@ -71,10 +71,14 @@ class MetricWriter:
         self._sink = sink  # else chosen at the first write (which imports MLflow)
         self._stop = threading.Event()
         self._lock = threading.Lock()  # one pass at a time: the thread's and close()'s
-        self._warned = False
+        self._warned: set[str] = set()  # the kinds of trouble said already (once each)
         self.last_error: str | None = None  # the store's last refusal, in one line
         self._thread: threading.Thread | None = None
         self._copies: dict[int, int] = {}  # rank -> our copy of another node's rank file (append())
+        # rank -> its copy ends inside a line (bytes of it written, not its newline): a failed write
+        # there leaves a line whose rest is lost, which must never join the next bytes' line.
+        self._unended: set[int] = set()  # ranks whose copy may end in a torn line: end it first
+        self._torn: set[int] = set()  # ranks whose next bytes continue a lost line: skip to its end
         with contextlib.suppress(OSError):  # for an import after a kill; a full disk costs only that
             fd = os.open(os.path.join(directory, paths.METRICS_RUN_FILE), os.O_WRONLY | os.O_CREAT, 0o600)
             try:
@@ -86,15 +90,29 @@ class MetricWriter:
         """New lines of a rank on another node (the ``RankMetrics`` event): into our copy of its
         file, read by the passes like a local rank's. A disk too full to keep them costs those
         rows, said once; never an error of the call."""
+        ends_a_line = data.endswith(b"\n")  # the bytes after these begin a line
         try:
             fd = self._copies.get(rank)
             if fd is None:
                 fd = self._copies[rank] = private_files.open_private(wire.metrics_path(self.directory, rank))
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
+            if rank in self._unended:  # a write failed there: the line it tore is ended, and
+                _write_all(fd, TORN_END)  # skipped by the reader (a lone mark if none was torn)
+                self._unended.discard(rank)
+            if rank in self._torn:  # these bytes begin with the rest of a line that was lost
+                start = data.find(b"\n")
+                if start < 0:
+                    return
+                data = data[start + 1 :]
+                self._torn.discard(rank)
+            _write_all(fd, data)
         except OSError as exc:
-            self._warn(f"metric rows of rank {rank} could not be kept here ({exc})")
+            # Part of it may be in the copy: never glued to what comes next.
+            self._unended.add(rank)
+            if ends_a_line:
+                self._torn.discard(rank)
+            else:
+                self._torn.add(rank)
+            self._warn("copy", f"metric rows of rank {rank} could not be kept here ({exc})")
 
     def start(self) -> None:
         if self._thread is None:
@@ -108,7 +126,7 @@ class MetricWriter:
         try:
             return self.write_pass()
         except Exception as exc:  # noqa: BLE001 - this thread must live on; the error is said once
-            self._warn(f"reading the ranks' metrics failed: {exc!r}")
+            self._warn("read", f"reading the ranks' metrics failed: {exc!r}")
             return False
 
     def close(self) -> int:
@@ -156,12 +174,14 @@ class MetricWriter:
                 if len(self._pending) >= MAX_PENDING:
                     break  # the rest waits in the files until these are stored
                 for line in self._new_lines(path):
+                    if line.endswith(TORN_MARK):  # a copy's line whose rest was lost (said then)
+                        continue
                     try:
                         key, value, timestamp, step = line.split("\t")
                         self._pending.append((key, float(value), int(timestamp), int(step)))
                     except ValueError:
                         # A line's start names it in the warning; a garbled line may be long.
-                        self._warn(f"skipped a line that is not a metric: {line[:80]!r}")
+                        self._warn("line", f"skipped a line that is not a metric: {line[:80]!r}")
             while self._pending:
                 if self._sink is None:
                     self._sink = metric_rows.sink_for(self.client, self.run_id)
@@ -171,8 +191,9 @@ class MetricWriter:
                 except Exception as exc:  # noqa: BLE001 - kept and retried; training goes on
                     self.last_error = metric_rows.short_error(exc)
                     self._warn(
+                        "store",
                         f"MLflow run {self.run_id} refused metric rows ({self.last_error}); the training "
-                        "goes on, and the rows wait in the ranks' files to be stored later"
+                        "goes on, and the rows wait in the ranks' files to be stored later",
                     )
                     return False
                 del self._pending[: len(batch)]
@@ -197,11 +218,22 @@ class MetricWriter:
         # errors="replace": a line torn inside a character (a full disk) is skipped, not the chunk.
         return complete.decode(errors="replace").split("\n") if complete else []
 
-    def _warn(self, message: str) -> None:
-        if not self._warned:
-            self._warned = True
+    def _warn(self, kind: str, message: str) -> None:
+        """Once per kind of trouble: a full disk said does not hide a store that refuses later."""
+        if kind not in self._warned:
+            self._warned.add(kind)
             with contextlib.suppress(Exception):
                 warnings.warn(f"air_magic: {message}", RuntimeWarning, stacklevel=2)
+
+
+TORN_MARK = "\x00"  # ends a line that lost bytes (no metric line holds a NUL)
+TORN_END = (TORN_MARK + "\n").encode()
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 def keep_outcome(directory: str, outcome: str) -> None:

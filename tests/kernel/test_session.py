@@ -145,6 +145,11 @@ def test_an_error_while_peers_wait_in_a_collective(ip, session, monkeypatch):
 
     summary = json.loads(Path(session.log_dir, "run.json").read_text())
     assert summary["outcome"] == "failed" and "ValueError: rank 1 gave up" in summary["error"], summary
+    # The cell's states: rank 1 failed (the session's stop that followed does not make it "killed").
+    from air_magic.calls.history import last_run
+
+    assert last_run().rank_states[1] == "failed", last_run().rank_states
+    assert last_run().failed_rank == 1
     with pytest.raises(persistent.SessionEndedError, match="ended"):
         session.run_cell("1")
 

@@ -398,3 +398,41 @@ def test_a_killed_supervisors_metric_rows_reach_its_run(store, tmp_path, monkeyp
     for rank in (0, 1):
         steps = sorted(m.step for m in store.get_metric_history(mlflow_run_id, f"loss_{rank}"))
         assert steps == list(range(300)), (rank, len(steps))
+
+
+def test_attaching_to_a_run_of_an_older_version_shows_its_mlflow_link(store):
+    """Before the RecordLink event, a supervisor named the MLflow run in state.json only: an attach
+    shows it from there (its displays get the same event a run of today's version replays)."""
+    from air_magic.protocol.events import RecordLink
+
+    fn = air_magic.distributed(num_accelerators=1, display="none", detach=True)(_rank_of)
+    handle = fn.distributed_async()
+    assert handle.result(timeout=120) == [0]
+    state = run_state(handle)
+    (found,) = [r for r in air_magic.runs() if r.id == handle.detached_id]
+    stripped = 0
+    for part in Path(found.folder).glob("events*.jsonl"):  # as an older version wrote it
+        lines = part.read_text().splitlines(keepends=True)
+        kept = [line for line in lines if '"RecordLink"' not in line]
+        stripped += len(lines) - len(kept)
+        part.write_text("".join(kept))
+    assert stripped == 1
+
+    class Seen:
+        def __init__(self):
+            self.events = []
+
+        def handle(self, event):
+            self.events.append(event)
+
+    seen = Seen()
+    attached = air_magic.attach(handle.detached_id, display="none", consumers=[seen])
+    assert attached.result(timeout=60) == [0]
+    links = [e for e in seen.events if isinstance(e, RecordLink)]
+    assert [link.run_id for link in links] == [state["mlflow_run_id"]]
+
+
+def _rank_of():
+    import os
+
+    return int(os.environ["RANK"])

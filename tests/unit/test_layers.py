@@ -26,6 +26,7 @@ LAYER_OF = {
     "air_magic": "face",  # __init__: re-exports, load_ipython_extension
     "air_magic._version": "base",
     "air_magic.errors": "base",
+    "air_magic.former_names": "base",
     "air_magic.paths": "base",
     "air_magic.private_files": "base",
     "air_magic.process_tree": "base",

@@ -15,8 +15,12 @@ import pytest
 from helpers.recording import Recorder
 
 from air_magic import paths
+from air_magic.backends import scripted
+from air_magic.backends.output import KEEP_RUNS
 from air_magic.backends.scripted import FIRST_PID, Rank, ScriptedBackend
 from air_magic.calls.call import run_call
+from air_magic.calls.history import read_summaries
+from air_magic.calls.persistent import Session
 from air_magic.errors import (
     ConfigurationError,
     DistributedTimeoutError,
@@ -244,3 +248,31 @@ def test_a_call_leaves_only_its_log_folder():
     folder = play(ScriptedBackend([Rank(prints=["x"]), Rank()])).log_dir
     made = {paths.run_summary(folder), paths.rank_log(folder, 0), paths.rank_log(folder, 1)}
     assert {os.path.join(folder, name) for name in os.listdir(folder)} == made
+
+
+def test_a_call_without_log_dir_stays_out_of_the_run_history(tmp_path, monkeypatch):
+    history = tmp_path / "runs"  # the default log root, as AIR_MAGIC_LOG_DIR moves it
+    monkeypatch.setenv("AIR_MAGIC_LOG_DIR", str(history))
+    assert paths.default_log_root() == str(history)
+    kept = [history / f"20000101-000000-{n:06x}" for n in range(KEEP_RUNS)]  # a full history, oldest first
+    for folder in kept:
+        folder.mkdir(parents=True)
+    result = play(ScriptedBackend([Rank(prints=["x"]), Rank(raises=Diverged("nan"))]))
+    assert result.outcome == "failed" and os.path.isfile(paths.rank_log(result.log_dir, 0))
+    assert os.path.dirname(result.log_dir) == os.path.realpath(scripted.log_root())  # this process's
+    session = Session(
+        make_settings(num_accelerators=1, display="none", tracking=False), backend=ScriptedBackend([Rank()])
+    )
+    session.start().stop(quiet=True)
+    assert os.path.dirname(session.log_dir) == os.path.dirname(result.log_dir)  # a session's too
+    assert sorted(os.listdir(history)) == [f.name for f in kept]  # nothing added, the oldest not pruned
+    assert [s["outcome"] for s in read_summaries(str(history))] == ["unknown"] * KEEP_RUNS  # `air-magic runs`
+
+
+def test_a_call_with_log_dir_logs_there(tmp_path, monkeypatch):
+    monkeypatch.setenv("AIR_MAGIC_LOG_DIR", str(tmp_path / "runs"))
+    result = play(ScriptedBackend([Rank(returns=1)]), log_dir=str(tmp_path / "mine"))
+    assert os.path.dirname(result.log_dir) == os.path.realpath(tmp_path / "mine")
+    (summary,) = read_summaries(str(tmp_path / "mine"))
+    assert (summary["run_id"], summary["outcome"]) == (result.call_id, "succeeded")
+    assert not os.path.exists(tmp_path / "runs")

@@ -6,15 +6,19 @@ CellSender and answers each cell as ``cells[number][rank]`` says, through the re
 
 from __future__ import annotations
 
+import inspect
 import signal
+import threading
 
 import pytest
 
-from air_magic.backends.scripted import Rank, ScriptedBackend
+from air_magic.backends.scripted import Rank, ScriptedBackend, _SourceCell
 from air_magic.calls.history import last_run
 from air_magic.calls.persistent import Session
 from air_magic.errors import DistributedTimeoutError, SessionEndedError
 from air_magic.launch.settings import make_settings
+from air_magic.protocol import serialization
+from air_magic.worker import cell_runner
 
 
 def step(n):
@@ -111,3 +115,57 @@ def test_a_restarted_session_keeps_its_backend(session_of):
         assert again.run(step, 1) == [1, 2]  # scripted again: no process was started
     finally:
         again.stop(quiet=True)
+
+
+# -- a source cell (Session.run_cell, %%distributed): each rank answers as worker/cell_runner.py does --
+
+
+def in_a_rank(source: str) -> cell_runner.CellOutcome:
+    """What a real rank's ``run_cell`` returns for ``source`` (worker/session_rank.py calls it so)."""
+    return cell_runner.run_cell(source, "<cell>", {}, {}, [], namespace={})
+
+
+def test_a_source_cell_answers_what_a_real_ranks_run_cell_returns(session_of):
+    cells = {1: [Rank(returns=42)] * 2, 2: [Rank(), Rank()], 3: [Rank(returns=None)] * 2}
+    session = session_of(ScriptedBackend([Rank(), Rank()], cells=cells))
+    assert session.run_cell("6 * 7") == [42, 42]  # was AttributeError: 'int' object has no attribute 'value'
+    assert session.run_cell("x = 6 * 7") == [None, None]  # no last expression: no value
+    source = "print('no value')"
+    bound = inspect.signature(cell_runner.run_cell).bind(source, "<cell>", {}, {}, [])
+    answers = session.run_call("cell", cell_runner.run_cell, bound, kind="cell", source=source).unwrap()
+    assert answers == [in_a_rank(source)] * 2  # the same CellOutcome, field for field
+    assert answers[0].value == serialization.dumps_result(None)  # an expression's None, not "no value"
+    scripted = _SourceCell(ends_with_expression=True, error=None).outcome(42)
+    assert scripted == in_a_rank("6 * 7") and in_a_rank("x = 6 * 7") == _SourceCell(False, None).outcome(42)
+
+
+def test_a_source_cell_whose_value_does_not_pickle_says_so_as_a_real_rank_does(session_of):
+    cells = {1: [Rank(returns=threading.Lock())] * 2}
+    session = session_of(ScriptedBackend([Rank(), Rank()], cells=cells))
+    source = "threading.Lock()"
+    bound = inspect.signature(cell_runner.run_cell).bind(source, "<cell>", {}, {}, [])
+    answers = session.run_call("cell", cell_runner.run_cell, bound, kind="cell", source=source).unwrap()
+    real = cell_runner.run_cell(source, "<cell>", {}, {"threading": "threading"}, [], namespace={})
+    assert answers == [real] * 2 and real.value is None and "lock" in (real.value_error or "")
+
+
+def test_a_cell_outcome_as_returns_is_sent_as_it_is(session_of):
+    given = [cell_runner.CellOutcome(value=None, names={"w": serialization.dumps_result(3)}), in_a_rank("2")]
+    session = session_of(ScriptedBackend([Rank(), Rank()], cells={1: [Rank(returns=o) for o in given]}))
+    bound = inspect.signature(cell_runner.run_cell).bind("w = 3", "<cell>", {}, {}, ["w"])
+    assert session.run_call("cell", cell_runner.run_cell, bound, kind="cell").unwrap() == given
+
+
+def test_a_source_cell_that_raises_raises_what_a_real_ranks_run_cell_raises(session_of):
+    with pytest.raises(ZeroDivisionError) as real:
+        in_a_rank("1 / 0")
+    cells = {1: [Rank(returns=0), Rank(raises=ZeroDivisionError("division by zero"))]}
+    session = session_of(ScriptedBackend([Rank(), Rank()], cells=cells))
+    with pytest.raises(type(real.value), match="division by zero") as caught:
+        session.run_cell("1 / 0")
+    assert caught.value.air_magic_rank == 1 and session.alive()
+    with pytest.raises(SyntaxError, match="'return' outside function"):
+        in_a_rank("return 1")
+    with pytest.raises(SyntaxError, match="'return' outside function"):  # every rank that returns
+        session.run_cell("return 1")
+    assert last_run().rank_states == {0: "failed", 1: "failed"} and session.run_cell("1") == [None, None]

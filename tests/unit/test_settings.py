@@ -194,3 +194,46 @@ def test_stop_grace_defaults_to_torchruns_variable_then_30_seconds(monkeypatch):
     for bad in (-1, float("nan"), "5", True):
         with pytest.raises(ConfigurationError, match="stop_grace"):
             make_settings(stop_grace=bad)
+
+
+def test_run_id_and_mlflow_run_id_flags_that_differ_are_an_error():
+    """On a command line too (the CLI, ``%%distributed``, ``session start``): argparse keeps the last."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    for line in (
+        ["--run-id", "aaaa", "--mlflow-run-id", "bbbb"],
+        ["--mlflow-run-id", "bbbb", "--run-id", "aaaa"],
+    ):
+        given = settings_from_args(parser.parse_args(line))
+        with pytest.raises(ConfigurationError, match="former name of mlflow_run_id"):
+            make_settings(**given)
+    same = settings_from_args(parser.parse_args(["--run-id", "aaaa", "--mlflow-run-id", "aaaa"]))
+    assert make_settings(**same).mlflow_run_id == "aaaa"
+
+
+def test_the_former_run_id_keyword_still_builds_a_run_info_and_a_run_result():
+    from air_magic.calls.history import RunInfo
+    from air_magic.launch.request import RunResult
+    from air_magic.protocol.events import Outcome
+
+    info = RunInfo(run_id="call-1", name="train", world_size=2, log_dir="/tmp/x")
+    assert info == RunInfo("call-1", "train", 2, "/tmp/x") and info.run_id == "call-1"
+    result = RunResult(run_id="call-2", log_dir="", outcome=Outcome.SUCCEEDED, values=[1])
+    assert result.call_id == result.run_id == "call-2"
+    with pytest.raises(TypeError, match="run_id is the former name of call_id"):
+        RunInfo(run_id="a", call_id="b", name="", world_size=1, log_dir="")
+
+
+@pytest.mark.parametrize("name", ["", "A=B", "A\0B"])
+def test_an_env_name_no_environment_can_hold_is_refused_before_any_rank(name):
+    with pytest.raises(ConfigurationError, match="cannot be an environment variable's name"):
+        make_settings(env={name: "1"})
+    with pytest.raises(ConfigurationError, match="holds a NUL"):
+        make_settings(env={"GOOD": "a\0b"})
+
+
+@pytest.mark.parametrize("name", ["RANK", "WORLD_SIZE", "MASTER_PORT", "AIR_MAGIC_RUN_ID"])
+def test_env_cannot_give_a_rank_another_place(name):
+    with pytest.raises(ConfigurationError, match=f"env: {name} is set by air_magic for each rank"):
+        make_settings(env={name: "3"})
+    assert make_settings(env={"OMP_NUM_THREADS": "4", "NCCL_DEBUG": "INFO"}).env["OMP_NUM_THREADS"] == "4"

@@ -129,7 +129,12 @@ def test_the_magics_options_are_the_schema_and_its_own():
     assert shared <= magic
     assert magic - shared == MAGIC_ONLY
     dests = {a.dest for a in magics.DistributedMagics.distributed.parser._actions}
-    assert dests == set(SETTINGS) | {"push", "pull", "no_pull", "background"}  # --cold sets warm_start
+    assert dests == set(SETTINGS) | set(schema.ALIASES) | {
+        "push",
+        "pull",
+        "no_pull",
+        "background",
+    }  # --cold sets warm_start
 
 
 def test_flags_are_spelled_like_the_keywords():

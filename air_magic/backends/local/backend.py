@@ -26,6 +26,7 @@ from air_magic.launch.accelerators import AcceleratorPlan, plan_accelerators
 from air_magic.launch.request import LaunchRequest, RunResult, StopRequest
 from air_magic.launch.settings import LaunchSettings
 from air_magic.node import warm
+from air_magic.node.open_files import refuse_beyond_the_hard_limit
 from air_magic.protocol.events import EventBus
 
 
@@ -44,7 +45,9 @@ class LocalBackend:
             # env= may hold start-up variables (PYTHONHASHSEED...), which the starter must start with.
             warm.prestart(settings.log_dir, settings.env, tracked=settings.tracking)
         self._stop_requested.clear()  # here, not in run(): a stop() between the two still counts
-        return plan_accelerators(settings.num_accelerators, settings.accelerator_type)
+        plan = plan_accelerators(settings.num_accelerators, settings.accelerator_type)
+        refuse_beyond_the_hard_limit(plan.world_size)
+        return plan
 
     def run(self, request: LaunchRequest, bus: EventBus) -> RunResult:
         # A caller killed mid-call (SIGKILL) cannot remove its folders: the arguments in clear.
