@@ -369,17 +369,16 @@ def ui_page(uri: str, run: str | None = None) -> str:
     (started if needed), or of MLflow run ``run``'s page there."""
     from air_magic.tracking import ui as mlflow_ui
 
-    base = mlflow_ui.ensure_ui(uri)
     if run is None:
-        return base
+        return mlflow_ui.ensure_ui(uri)
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
-    try:
+    try:  # first: a run that is not there starts no server
         experiment_id = MlflowClient(tracking_uri=uri).get_run(run).info.experiment_id
     except MlflowException as exc:
         raise ConfigurationError(f"no MLflow run {run!r} in {uri}: {str(exc).splitlines()[0]}") from None
-    return f"{base}/#/experiments/{experiment_id}/runs/{run}"
+    return f"{mlflow_ui.ensure_ui(uri)}/#/experiments/{experiment_id}/runs/{run}"
 
 
 def stack(handle: Any, rank: int | None = None) -> str:

@@ -46,6 +46,8 @@ loop makes, with each rank's log, as for any call. Unless ``log_dir=`` says
 where (``request.log_root``), it is made under a temp folder of this process
 (:func:`log_root`, removed at its exit), never under the default log root: a
 scripted call is not in the run history (``air-magic runs``) and never prunes it.
+Tracking is the settings' as for any call: ``tracking=False`` keeps a test's calls
+out of the MLflow store in use.
 Rank pids are above Linux's largest (``PID_MAX_LIMIT``): no process has one.
 """
 
@@ -123,6 +125,16 @@ class Rank:
             raise ConfigurationError(f"{self}: stuck_exiting follows returns or raises")
         if self.seen_late and (self.hangs or self.stuck_exiting):
             raise ConfigurationError(f"{self}: seen_late is for a rank that exits")
+        if self.raises is not None and not isinstance(self.raises, BaseException):
+            raise ConfigurationError(
+                f"{self}: raises takes an exception (ValueError('...')), not {self.raises!r}"
+            )
+        if self.killed_by is not None and self.killed_by not in set(signal.Signals):
+            raise ConfigurationError(
+                f"{self}: killed_by takes a signal (signal.SIGKILL...), not {self.killed_by!r}"
+            )
+        if not self.at >= 0:
+            raise ConfigurationError(f"{self}: at is seconds after the start (0 or more), not {self.at!r}")
 
     @property
     def value(self) -> Any:
@@ -152,6 +164,15 @@ class ScriptedBackend:
     ):
         self.ranks = ranks
         self.cells = dict(cells or {})
+        for number, scripts in self.cells.items():  # refused here, not as the cell runs
+            if isinstance(number, bool) or not isinstance(number, int) or number < 1:
+                raise ConfigurationError(f"cells: {number!r} is not a cell number (1, 2, ...)")
+            if isinstance(scripts, Rank) or not all(isinstance(r, Rank) for r in scripts):
+                raise ConfigurationError(f"cells[{number}] takes one Rank per rank (a list), not {scripts!r}")
+            if not callable(ranks) and len(scripts) != len(ranks):
+                raise ConfigurationError(
+                    f"cells[{number}] has {len(scripts)} rank(s) scripted, the session {len(ranks)}"
+                )
         self.nodes = list(nodes) if nodes is not None else None
         self.stops: list[tuple[float, int]] = []
         self._stop_requested = StopRequest()

@@ -77,7 +77,7 @@ class CellLoop:
             limit = session.settings.timeout
             deadline = None if limit is None else time.monotonic() + limit
             if not self._pump(start, start.everyone_answered, deadline):
-                self._end(f"its ranks were not ready within {limit:g} s (timeout=)")
+                self._end(f"its ranks were not ready within timeout={limit:g} s (it bounds the start too)")
                 error = SessionEndedError(
                     f"session {session.id} did not start: {session.ended_why}; every rank is gone"
                 )

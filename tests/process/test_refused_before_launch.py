@@ -50,3 +50,19 @@ def test_more_ranks_than_the_hard_open_file_limit_allows_are_refused_before_the_
     experiments = store.search_experiments()
     runs = store.search_runs([e.experiment_id for e in experiments])
     assert runs == []  # no MLflow run, RUNNING or otherwise
+
+
+def test_ui_for_a_run_that_is_not_there_is_refused_and_starts_no_server(tmp_path, monkeypatch):
+    """``air-magic ui --run BADID`` / ``%distributed ui --run BADID`` was refused, and had started
+    the UI server (which outlives the command) first."""
+    import pytest
+
+    from air_magic import verbs
+    from air_magic.errors import ConfigurationError
+    from air_magic.tracking import ui as mlflow_ui
+
+    started: list[str] = []
+    monkeypatch.setattr(mlflow_ui, "ensure_ui", lambda uri: started.append(uri) or "http://127.0.0.1:1")
+    with pytest.raises(ConfigurationError, match="no MLflow run 'nosuchrun'"):
+        verbs.ui_page(f"sqlite:///{tmp_path}/mlflow.db", "nosuchrun")
+    assert started == []
