@@ -14,9 +14,7 @@ import pytest
 
 from air_magic.backends.scripted import Rank, ScriptedBackend, _SourceCell
 from air_magic.calls.history import last_run
-from air_magic.calls.persistent import Session
 from air_magic.errors import DistributedTimeoutError, SessionEndedError
-from air_magic.launch.settings import make_settings
 from air_magic.protocol import serialization
 from air_magic.worker import cell_runner
 
@@ -27,22 +25,6 @@ def step(n):
 
 class Diverged(ValueError):
     pass
-
-
-@pytest.fixture
-def session_of():
-    """``session_of(backend, **settings)``: a started session on it, stopped at the test's end."""
-    made: list[Session] = []
-
-    def start(backend: ScriptedBackend, **settings) -> Session:
-        settings = {"num_accelerators": 2, "display": "none", "tracking": False, **settings}
-        session = Session(make_settings(**settings), backend=backend)
-        made.append(session)
-        return session.start()
-
-    yield start
-    for session in made:
-        session.stop(quiet=True)
 
 
 def test_each_cell_answers_as_its_script_says(session_of):

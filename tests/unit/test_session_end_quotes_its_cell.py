@@ -13,30 +13,13 @@ import signal
 import pytest
 
 from air_magic.backends.scripted import Rank, ScriptedBackend
-from air_magic.calls.persistent import Session
 from air_magic.errors import SessionEndedError
-from air_magic.launch.settings import make_settings
 
 pytestmark = pytest.mark.unit
 
 
 def step(n):
     """Never runs: the session's cells are scripted."""
-
-
-@pytest.fixture
-def session_of():
-    made: list[Session] = []
-
-    def start(backend: ScriptedBackend, **settings) -> Session:
-        settings = {"num_accelerators": 2, "display": "none", "tracking": False, **settings}
-        session = Session(make_settings(**settings), backend=backend)
-        made.append(session)
-        return session.start()
-
-    yield start
-    for session in made:
-        session.stop(quiet=True)
 
 
 def test_a_rank_that_dies_in_a_cell_is_quoted_with_that_cells_lines_only(session_of):
