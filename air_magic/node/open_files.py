@@ -26,14 +26,8 @@ def refuse_beyond_the_hard_limit(ranks: int) -> None:
     descriptors this process could never hold (its hard limit) is a clear error, not "Too many open
     files" from deep inside the ranks' start."""
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY:
-        return
-    try:
-        in_use = len(os.listdir("/proc/self/fd"))
-    except OSError:
-        return
-    needed = in_use + FDS_PER_RANK * ranks + FDS_MARGIN
-    if needed > hard:
+    needed = _needed(ranks)
+    if hard != resource.RLIM_INFINITY and needed is not None and needed > hard:
         raise ConfigurationError(
             f"{ranks} ranks need about {needed} open files in this process, above its hard limit of "
             f"{hard} (ulimit -Hn): ask for fewer ranks, or raise the limit"
@@ -44,11 +38,9 @@ def ensure_open_files(ranks: int) -> None:
     """Room for ``ranks`` more ranks' descriptors: the soft open-file limit raised as far as needed (up
     to the hard limit), and said once when even that is not enough."""
     global _said_open_files
-    try:
-        in_use = len(os.listdir("/proc/self/fd"))
-    except OSError:
+    needed = _needed(ranks)
+    if needed is None:
         return
-    needed = in_use + FDS_PER_RANK * ranks + FDS_MARGIN
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY or needed <= soft:
         return
@@ -65,3 +57,12 @@ def ensure_open_files(ranks: int) -> None:
             f"(hard limit {hard}); raise it (ulimit -n) if ranks fail to start",
             file=sys.stderr,
         )
+
+
+def _needed(ranks: int) -> int | None:
+    """The descriptors this process needs with ``ranks`` more ranks (None: it cannot count its own)."""
+    try:
+        in_use = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return None
+    return in_use + FDS_PER_RANK * ranks + FDS_MARGIN
