@@ -31,7 +31,8 @@ A persistent session (``request.channel``, ``calls/persistent.py``) gets a
 :class:`~air_magic.launch.request.CellSender` before its ranks start; each rank
 answers ready, then each cell as ``cells[number][rank]`` says (a ``Rank`` again:
 its lines, then the cell's value, its exception, a death, or no answer until
-the cell is interrupted; a cell not in ``cells`` returns None on every rank);
+the cell is interrupted, or none at all with ``deaf_to_sigint``, as a rank blocked in a
+collective; a cell not in ``cells`` returns None on every rank);
 when the session stops them, the ranks end as their own scripts say. A source
 cell (``Session.run_cell``, a ``%%distributed`` cell: the payload calls
 ``worker/cell_runner.run_cell``) answers as a real rank's does, with a
@@ -103,6 +104,9 @@ class Rank:
     killed_by: int | None = None  # a signal: SIGKILL, SIGSEGV, ... (no error record)
     exits: int | None = None  # an exit status, without a result (0: a script's os._exit(0))
     hangs: bool = False  # never ends on its own (in a cell: never answers until interrupted)
+    # With hangs, in a cell: SIGINT does not end it either (a rank blocked in a collective's C code);
+    # only the session's end stops it.
+    deaf_to_sigint: bool = False
     at: float = 0.0  # seconds after the start (a cell's: after it was sent) when it ends
     stuck_exiting: bool = False  # returned or raised, but its process does not end
     seen_late: bool = False  # its exit is seen only once the call is being stopped
@@ -123,6 +127,8 @@ class Rank:
             raise ConfigurationError(f"{self}: one ending only (returns, raises, killed_by, exits or hangs)")
         if self.stuck_exiting and (self.killed_by is not None or self.exits is not None or self.hangs):
             raise ConfigurationError(f"{self}: stuck_exiting follows returns or raises")
+        if self.deaf_to_sigint and not self.hangs:
+            raise ConfigurationError(f"{self}: deaf_to_sigint is for a rank that hangs")
         if self.seen_late and (self.hangs or self.stuck_exiting):
             raise ConfigurationError(f"{self}: seen_late is for a rank that exits")
         if self.raises is not None and not isinstance(self.raises, BaseException):
@@ -368,6 +374,8 @@ class _ScriptedCall(CallLoop):
             self._cell(message[1], message[2])
         elif message[0] == "interrupt":  # the ranks hanging in the cell raise KeyboardInterrupt
             for rank in message[1]:
+                if self._deaf(rank):
+                    continue
                 number = self._in_cell.pop(rank, None)
                 if number is not None and not self.ledger.records[rank].exited:
                     record, text = _error_record(rank, now, KeyboardInterrupt(), "run", self.request.name)
@@ -378,6 +386,12 @@ class _ScriptedCall(CallLoop):
                 if not r.exited and r.rank not in self._in_cell:
                     script = dataclasses.replace(self.scripts[r.rank], prints=(), stderr=())  # said at start
                     self._schedule(r.rank, now + script.at, self._plays(r.rank, script, now + script.at))
+
+    def _deaf(self, rank: int) -> bool:
+        """The rank hangs in its cell and SIGINT does not reach it (``deaf_to_sigint``)."""
+        number = self._in_cell.get(rank)
+        scripts = self.backend.cells.get(number) if number is not None else None
+        return scripts is not None and scripts[rank].deaf_to_sigint
 
     def _schedule(self, rank: int, when: float, facts: list[NodeEvent]) -> None:
         heapq.heappush(self._due, (when, self._order, rank, facts))

@@ -52,6 +52,12 @@ class FailedCell:
     number: int
     why: str
     rank: int | None  # its root cause's rank
+    name: str = "cell"
+
+    @property
+    def words(self) -> str:
+        """The cell and its error, in one line (``Session.status``)."""
+        return f"{self.name} (cell {self.number}): {self.why.splitlines()[0] if self.why else '?'}"
 
 
 class CellLoop:
@@ -187,6 +193,9 @@ class CellLoop:
             return cell.everyone_answered() or overdue
 
         in_time = self._pump(cell, done_or_overdue, deadline)
+        if cell.stopped:  # Session.stop() from elsewhere interrupted its ranks: its end, then ours
+            self._pump(cell, lambda: False, None)
+            return Outcome.INTERRUPTED, session.stopped_error(cell)
         if session.finished is not None:
             ended = session.error(f"during {cell.name}")
             if cell.has_errors():
@@ -200,7 +209,7 @@ class CellLoop:
             stacks = session.stacks(running)
             tails = {r: session.tails[r].last(5) for r in running}  # before the interrupt's traceback
             recovered = self._interrupt(cell)
-            return Outcome.TIMEOUT, self._timeout_error(cell, limit or 0.0, tails, stacks, recovered)
+            return Outcome.TIMEOUT, _timeout_error(session, cell, limit or 0.0, tails, stacks, recovered)
         if not cell.everyone_answered():
             self._interrupt(cell)  # the others are likely waiting for the failed rank in a collective
         if session.finished is None and cell.succeeded():
@@ -288,12 +297,13 @@ class CellLoop:
         cell.bus.emit(RunFinished(call_id, outcome, elapsed, session.log_dir or "", said, failed_rank))
         self.log_step_once(cell, outcome)
         if ended:
+            session.ended_in_cell = session.ended_in_cell or cell.number or None
             # The session ended under this cell, which said so: the next cell is not told again
             # (as if it had ended "between cells"), it runs fresh ranks as any cell without one.
             self._on_end()
         if cell.number and outcome is not Outcome.SUCCEEDED:
             why = f"{type(error).__name__}: {error}" if error else str(outcome)
-            self.failed.append(FailedCell(cell.number, why, root_cause_rank(error)))
+            self.failed.append(FailedCell(cell.number, why, root_cause_rank(error), cell.name))
         if not ended:  # a rank that dies between cells is quoted from what it printed after this one
             session.reset_tails()
 
@@ -306,6 +316,8 @@ class CellLoop:
         it failed, one whose ranks then ended well (its cells counted) or one that ended under it
         (its ranks stopped, not recovered from an error in a collective: that cell's root cause)."""
         current = self.current
+        if current is not None and current.stopped:
+            return Outcome.INTERRUPTED, f"stopped while {current.name} ran (cell {current.number})", None
         if current is not None and current.number and current.raised_on_its_own():
             cause = self._cell_error(current)
             said = f"{current.name} failed: {type(cause).__name__}: {cause}"
@@ -323,23 +335,6 @@ class CellLoop:
         cpu_mode = session.run_started is not None and session.run_started.cpu_mode
         return cell.error(session.log_dir or "", lambda rank: session.tails[rank].last(10), cpu_mode)
 
-    def _timeout_error(
-        self,
-        cell: SessionCell,
-        limit: float,
-        tails: dict[int, list[str]],
-        stacks: dict[int, str],
-        recovered: bool,
-    ) -> DistributedTimeoutError:
-        session = self.session
-        kept = (
-            f"the cell was interrupted on every rank and session {session.id} goes on"
-            if recovered
-            else f"session {session.id} ended: {session.ended_why}"
-        )
-        rows = [(rank, tail, False) for rank, tail in tails.items()]
-        return timeout_error(limit, rows, stacks, session.log_dir or "", subject=cell.name, then=kept)
-
     def log_step_once(self, cell: SessionCell, outcome: Outcome) -> None:
         """One step per cell in the session's run: how long it took and whether it succeeded."""
         with self._step_lock:
@@ -349,3 +344,22 @@ class CellLoop:
         session_steps.log_cell_step(
             self.session.tracked(), cell.number, outcome, time.monotonic() - cell.started
         )
+
+
+def _timeout_error(
+    session: SessionCall,
+    cell: SessionCell,
+    limit: float,
+    tails: dict[int, list[str]],
+    stacks: dict[int, str],
+    recovered: bool,
+) -> DistributedTimeoutError:
+    """A cell's timeout: what each rank still in it printed last, their stacks, and what became of
+    the session."""
+    kept = (
+        f"the cell was interrupted on every rank and session {session.id} goes on"
+        if recovered
+        else f"session {session.id} ended: {session.ended_why}"
+    )
+    rows = [(rank, tail, False) for rank, tail in tails.items()]
+    return timeout_error(limit, rows, stacks, session.log_dir or "", subject=cell.name, then=kept)

@@ -18,7 +18,15 @@ from air_magic import paths, private_files
 from air_magic.errors import ConfigurationError
 from air_magic.former_names import former_names
 from air_magic.protocol import wire
-from air_magic.protocol.events import Event, Outcome, RankExited, RecordLink, RunFinished, RunStarted
+from air_magic.protocol.events import (
+    Event,
+    Outcome,
+    RankExited,
+    RankState,
+    RecordLink,
+    RunFinished,
+    RunStarted,
+)
 
 KEEP = 50  # calls remembered per process (last_run() needs one; %distributed status shows one)
 
@@ -85,6 +93,10 @@ class RunHistory:
             self._current.elapsed = event.elapsed
             self._current.error = event.error
             self._current.failed_rank = event.failed_rank
+            if event.failed_rank is not None:
+                # The root cause's rank failed, whatever ended its process: a session's rank that
+                # raised in a cell is stopped with the session (the ledger's "killed").
+                self._current.rank_states[event.failed_rank] = RankState.FAILED.value
             if self._summary:
                 _write_summary(self._current)
 

@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import inspect
 import operator
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
 
 from air_magic.backends.base import Backend
-from air_magic.calls import call, runners
+from air_magic.calls import call, cell_loop, runners
 from air_magic.calls.cell_loop import CellLoop
 from air_magic.calls.held_names import CallerChanges, HeldNames
 from air_magic.calls.session_call import SLOW_STOP_S, SessionCall, SessionStatus, memory_words
@@ -110,6 +111,10 @@ class Session:
     def __init__(self, settings: LaunchSettings, name: str = "session", backend: Backend | None = None):
         if runners.outlives_caller(settings):
             raise ConfigurationError("a persistent session lives in this process: detach=True is not for it")
+        self._compose(settings, name, backend)
+
+    def _compose(self, settings: LaunchSettings, name: str, backend: Backend | None) -> None:
+        """Its parts, new: at its making, and at a restart (the same object, new ranks)."""
         self.call = SessionCall(settings, name, backend)
         self.names = HeldNames()  # what the ranks hold of the notebook's (notebook/magics.py asks)
         self.loop = CellLoop(self.call, CallerChanges(self.call.id, settings.env), self._deactivate)
@@ -159,16 +164,30 @@ class Session:
 
     def stop(self, wait_s: float = STOP_WAIT_S, quiet: bool = False) -> None:
         """End the session: each rank leaves its loop (its process group ends), then every process
-        is gone. Safe to call twice."""
+        is gone. A cell running (on another thread) is interrupted first, as Ctrl-C would, and
+        raises that the session was stopped. Safe to call twice."""
         call = self.call
         self.names.clear()  # the notebook's objects are its own again (and not kept alive here)
         self._deactivate()
         if call.state == SessionStatus.ENDED or not call.started():
             call.state = SessionStatus.ENDED
             return
+        cell = call.interrupt_the_running_cell()
+        if cell is not None:
+            print(
+                f"air_magic: session {self.id}: cell {cell.number} was running: its ranks get SIGINT, "
+                "then the stop",
+                file=sys.stderr,
+                flush=True,
+            )
         call.ask_to_stop()
         call.join(min(wait_s, SLOW_STOP_S))
-        if call.running() and wait_s > SLOW_STOP_S:
+        if cell is not None and call.running() and cell.still_in():
+            # SIGINT did not end the cell there: its time to report it, then no more waiting.
+            call.join(max(0.0, min(wait_s, cell_loop.RECOVER_S) - SLOW_STOP_S))
+            if call.running():
+                call.say_stuck_in(cell, cell_loop.RECOVER_S)
+        elif call.running() and wait_s > SLOW_STOP_S:
             call.say_why_slow(wait_s)
             call.join(wait_s - SLOW_STOP_S)
         stopped = call.running()
@@ -180,9 +199,13 @@ class Session:
             print(f"air_magic: session {self.id} stopped; {how}")
 
     def restart(self) -> Session:
-        """Stop this session and start a new one with the same settings (the new one is returned)."""
+        """Stop this session's ranks and start new ones with the same settings, in place: this
+        object (a ``with`` block's, the one ``%%distributed`` cells run in) is the new session,
+        with a new id and empty globals. Returns itself."""
+        settings, name, backend = self.settings, self.name, self.call.given_backend
         self.stop(quiet=True)
-        return Session(self.settings, self.name, self.call.given_backend).start()
+        self._compose(settings, name, backend)
+        return self.start()
 
     def status(self) -> str:
         """The session in words: its ranks, what each holds, the cells run, where its logs are."""
@@ -190,9 +213,12 @@ class Session:
         lines = [f"session {self.id}: {self.state}, {self.world_size} rank(s), {self.cells} cell(s) run"]
         if call.ended_why and call.state == SessionStatus.ENDED:
             lines.append(f"  ended: {call.ended_why}")
+        raised = {f.rank: f for f in self.loop.failed if f.number == call.ended_in_cell}
         for rank in range(self.world_size):
             pid = call.pids.get(rank)
-            if rank in call.ended_ranks:
+            if rank in raised:  # its error ended the session: the stop that followed is not its end
+                lines.append(f"  rank {rank}: pid {pid}, raised in {raised[rank].words}")
+            elif rank in call.ended_ranks:
                 lines.append(f"  rank {rank}: pid {pid}, ended ({call.ended_ranks[rank]})")
             else:
                 lines.append(f"  rank {rank}: pid {pid}, {memory_words(call.memory.get(rank))}")

@@ -101,6 +101,7 @@ class SessionCall:
         self.memory: dict[int, dict[str, int]] = {}
         self.tails: list[RankTail] = []  # each rank's last lines of the cell running (new per cell)
         self.ended_ranks: dict[int, str] = {}  # rank -> how it ended (status shows no memory for it)
+        self.ended_in_cell: int | None = None  # the cell the session ended under, if it did
         self.cells: Cells | None = None  # who runs the cells: asked for the current cell and outcome
         self.prepared: call.PreparedCall | None = None
         self.given_backend = backend  # the one to run it with (a test's scripted backend), else the runner's
@@ -166,6 +167,28 @@ class SessionCall:
         if self.sender is not None:
             self.sender.send_stop()
 
+    def interrupt_the_running_cell(self) -> SessionCell | None:
+        """A stop while a cell runs (from another thread, or the kernel's exit): the ranks still in
+        it get SIGINT, as on Ctrl-C, so they leave it and then their loop; the cell says it was
+        stopped. None: no cell runs."""
+        cell = self.cells.current if self.cells is not None else None
+        if cell is None or not cell.number or self.sender is None:
+            return None
+        running = cell.still_in()
+        cell.stopped = True
+        cell.interrupted = [*cell.interrupted, *running]  # their KeyboardInterrupt is ours
+        if running:
+            self.sender.interrupt(running)
+        return cell
+
+    def stopped_error(self, cell: SessionCell) -> SessionEndedError:
+        """What the cell that ran while the session was stopped raises."""
+        return SessionEndedError(
+            f"session {self.id} was stopped while {cell.name} ran (cell {cell.number}): its ranks "
+            "were interrupted (SIGINT) and every rank is gone; %distributed session start (or "
+            "air_magic.session()) begins a new one."
+        )
+
     def end(self, why: str) -> None:
         """Stop every rank now (the session's loop stops them as it stops a call)."""
         self.ended_why = why
@@ -197,6 +220,16 @@ class SessionCall:
             f"air_magic: session {self.id}: rank(s) {', '.join(map(str, left)) or '?'} still ending "
             f"{SLOW_STOP_S:g} s after the stop (a thread that is not a daemon keeps Python from "
             f"exiting); they are stopped at {wait_s:g} s{where}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def say_stuck_in(self, cell: SessionCell, waited_s: float) -> None:
+        """A stop's SIGINT did not end ``cell`` on some ranks: said, before they are stopped."""
+        print(
+            f"air_magic: session {self.id}: rank(s) {', '.join(map(str, cell.still_in()))} did not "
+            f"leave cell {cell.number} within {waited_s:g} s of SIGINT (a rank blocked in a collective "
+            "or in C code cannot be interrupted); they are stopped now",
             file=sys.stderr,
             flush=True,
         )

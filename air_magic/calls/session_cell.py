@@ -36,6 +36,7 @@ class SessionCell:
     records: dict[int, Any] = field(default_factory=dict)  # rank -> its ErrorRecord (None: unreadable)
     results: dict[int, bytes] = field(default_factory=dict)  # rank -> its pickled value
     logged: bool = False  # its MLflow step is queued (at its end, or as the session ended under it)
+    stopped: bool = False  # the session was stopped while it ran (Session.stop() from elsewhere)
 
     def everyone_answered(self) -> bool:
         return len(self.answers) == self.world_size

@@ -249,7 +249,7 @@ def _session(given: argparse.Namespace) -> Any:
             if action == "stop" or last is None:
                 print("air_magic: no session is running")
                 return None
-            return persistent.Session(last.settings, last.name).start()
+            return last.restart()  # the last session, ended: in place, with its settings
         if action == "stop":
             live.stop()
             return None

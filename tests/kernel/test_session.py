@@ -229,7 +229,7 @@ def test_restart_gives_new_ranks_and_stop_leaves_none(ip, session):
     old = list(session.call.pids.values())
     new, _ = line(ip, "session restart")
     try:
-        assert persistent.active() is new and new is not session
+        assert persistent.active() is new and new is session  # in place: the name held goes on
         assert _gone(old)
         with pytest.raises(NameError):
             new.run_cell("kept")
@@ -424,12 +424,13 @@ def test_a_restarted_sessions_history_and_mlflow_run_say_the_same(ip):
             cell(ip, "1 / 0")
         with pytest.raises(TimeoutError):
             cell(ip, "import time\ntime.sleep(60)", "--timeout 1")
+        log_dir, record = started.log_dir, started.record  # the first session's (restart is in place)
         new, _ = line(ip, "session restart")
         new.stop(quiet=True)
     finally:
         started.stop(quiet=True)
-    summary = json.loads(Path(started.log_dir, "run.json").read_text())
-    run = MlflowClient(embedded_mlflow_uri()).get_run(started.record.run_id)
+    summary = json.loads(Path(log_dir, "run.json").read_text())
+    run = MlflowClient(embedded_mlflow_uri()).get_run(record.run_id)
     assert summary["outcome"] == run.data.tags["air_magic.outcome"] == "failed", (summary, run.data.tags)
     assert run.info.status == "FAILED"
     assert summary["error"].startswith("2 of 2 cell(s) failed; the first, cell 1: ZeroDivisionError")
@@ -473,3 +474,61 @@ def test_an_interrupt_that_comes_before_a_rank_starts_the_cell_is_not_lost(ip, s
     assert persistent.active() is session, session.ended_why
     values, _ = cell(ip, "'alive'")
     assert values == ["alive", "alive"]
+
+
+def _cell_on_a_thread(session, source):
+    """``session.run_cell(source)`` on a thread of its own; (the thread, what it raised)."""
+    raised: list[BaseException] = []
+
+    def run():
+        try:
+            session.run_cell(source)
+        except BaseException as exc:  # noqa: BLE001 - the test looks at it
+            raised.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while session.loop.current is None or not session.loop.current.number:
+        assert time.monotonic() < deadline, "the cell did not start"
+        time.sleep(0.01)
+    return thread, raised
+
+
+@warm_only
+def test_a_stop_while_a_cell_runs_on_another_thread_interrupts_it_first(ip, session, capsys):
+    """Issue 49 (second probe): the stop waited 10 s, then blamed a thread that is not a daemon."""
+    pids = list(session.call.pids.values())
+    thread, raised = _cell_on_a_thread(session, "import time\ntime.sleep(600)")
+    time.sleep(0.5)  # the ranks are in time.sleep
+    capsys.readouterr()
+    session.stop()
+    thread.join(30)
+    err = capsys.readouterr().err
+    assert not thread.is_alive() and "not a daemon" not in err, err
+    assert "cell 1 was running: its ranks get SIGINT" in err, err
+    (error,) = raised
+    assert isinstance(error, persistent.SessionEndedError) and "was stopped while cell ran" in str(error)
+    assert _gone(pids)
+
+
+@warm_only
+def test_a_stop_while_a_rank_cannot_be_interrupted_says_so_and_stops_it(ip, session, capsys, monkeypatch):
+    monkeypatch.setattr(cell_loop, "RECOVER_S", 2.5)
+    pids = list(session.call.pids.values())
+    # Rank 0 does not hear SIGINT (as in C code that blocks it); rank 1 does, and leaves the cell.
+    source = (
+        "import os, signal, time\n"
+        "if os.environ['RANK'] == '0':\n    signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+        "time.sleep(600)"
+    )
+    thread, raised = _cell_on_a_thread(session, source)
+    time.sleep(0.5)
+    capsys.readouterr()
+    session.stop()
+    thread.join(30)
+    err = capsys.readouterr().err
+    assert not thread.is_alive() and "not a daemon" not in err, err
+    assert "rank(s) 0 did not leave cell 1 within 2.5 s of SIGINT" in err, err
+    assert raised and isinstance(raised[0], persistent.SessionEndedError)
+    assert _gone(pids)
