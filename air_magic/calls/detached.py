@@ -443,9 +443,12 @@ def follow_run(place: RunPlace, displays: list[Any], on_result: Any, more: Seque
         for event in event_log.follow(lambda part: place.lines_of(part, stop), place.replay_from(), stop):
             now = time.monotonic()
             if event is None:
-                caught_up.set()
                 if gone:
                     break
+                if not caught_up.is_set() and not place.alive():
+                    gone = True  # lost before we came: read it to the end, then say so (never "running")
+                    continue
+                caught_up.set()
             else:
                 linked = linked or isinstance(event, RecordLink)
                 if isinstance(event, RunStarted) and not linked:
@@ -471,8 +474,8 @@ def follow_run(place: RunPlace, displays: list[Any], on_result: Any, more: Seque
     def follow() -> None:
         try:
             finished = follow_events()
-            caught_up.set()
             if stop.is_set() and finished is None:  # unfollow(): the run goes on; this handle ends here
+                caught_up.set()
                 return
             result, error, lost = _outcome(place, finished)
             outcome: tuple[RunResult | None, BaseException | None] = (result, error)
@@ -482,8 +485,8 @@ def follow_run(place: RunPlace, displays: list[Any], on_result: Any, more: Seque
                 _emit(consumers, finished)
         except Exception as exc:  # noqa: BLE001 - a follower never dies with its handle unfinished
             outcome = (None, LaunchError(f"following detached run {handle.detached_id} failed: {exc!r}"))
-        caught_up.set()
         handle._finish(*outcome)
+        caught_up.set()  # after: an attach to a run that has ended returns a handle that knows it
 
     handle.unfollow = stop.set  # type: ignore[attr-defined]
     start_in_context(follow, f"air_magic-follow-{name}")

@@ -714,6 +714,7 @@ def test_a_run_lost_after_its_last_event_is_shown_lost_in_one_line(project, tmp_
     assert line.startswith(f"air-magic attach: detached run {run_id} was lost:"), line
     # The Python API follows what it can; its display does not say the lost run succeeded.
     handle = am.attach(run_id, display="text")
+    assert handle.done()  # lost, known as it is attached (it was shown "running" for a moment)
     with pytest.raises(am.LaunchError, match="was lost"):
         handle.result(timeout=60)
     shown = capsys.readouterr()

@@ -443,3 +443,19 @@ def _rank_of():
     import os
 
     return int(os.environ["RANK"])
+
+
+def test_a_run_that_has_ended_is_known_ended_as_soon_as_it_is_attached():
+    """Issue 49 (second probe): attach returned before its follower had read the end, so
+    ``air-magic cancel`` said "cancelled" and ``stack`` "(no rank is running)" of a finished run."""
+    fn = air_magic.distributed(num_accelerators=1, display="none", detach=True)(_rank_of)
+    handle = fn.distributed_async()
+    assert handle.result(timeout=120) == [0]
+    for _ in range(5):  # each time: the replay of the end is read before attach returns
+        again = air_magic.attach(handle.detached_id, display="none")
+        assert again.done() and again.status == "succeeded", again.status
+    cancelled = invoke("cancel", handle.detached_id)
+    assert cancelled.returncode == 0, cancelled.stderr
+    assert f"run {handle.detached_id} had already ended (succeeded)" in cancelled.stdout, cancelled.stdout
+    stack = invoke("stack", handle.detached_id)
+    assert "has ended (succeeded): no stack to take" in stack.stdout, stack
