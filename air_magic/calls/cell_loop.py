@@ -94,7 +94,9 @@ class CellLoop:
             self._close(start, Outcome.INTERRUPTED, None)
             raise
         if session.finished is not None or not session.running():
-            error = session.error("while it started")
+            error: BaseException = session.error("while it started")
+            if isinstance(error.__cause__, ConfigurationError):  # refused before a rank started
+                error = error.__cause__  # as a one-off call says it (a bad --mlflow-run-id)
             self._close(start, Outcome.FAILED, error)
             raise error
         session.state = SessionStatus.READY

@@ -104,7 +104,8 @@ class TextDisplay:
                     by_node = sorted(self._failed_on.items(), key=lambda item: (-item[1], item[0]))
                     failed = "; failed by node: " + ", ".join(f"node {n}: {c}" for n, c in by_node[:10])
                 self._note(f"ranks{on}: {counts}{failed}")
-            self._note(f"{event.outcome} in {event.elapsed:.1f} s; logs: {event.log_dir}")
+            logs = f"; logs: {event.log_dir}" if event.log_dir else ""  # none: refused before it began
+            self._note(f"{event.outcome} in {event.elapsed:.1f} s{logs}")
 
     def _started(self, event: RunStarted) -> None:
         global _cpu_mode_said

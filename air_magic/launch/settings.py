@@ -409,6 +409,11 @@ def make_settings(base: Mapping[str, Any] | None = None, **given: Any) -> Launch
             f"unknown setting(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(SETTINGS))}"
         )
     checked = {name: s.check(raw.get(name, DEFAULTS[name])) for name, s in SETTINGS.items()}
+    if checked["mlflow_run_id"] is not None and not checked["tracking"]:
+        raise ConfigurationError(
+            f"mlflow_run_id={checked['mlflow_run_id']!r} (--mlflow-run-id) names the MLflow run to record "
+            "the call into, and tracking=False (--no-tracking) records nothing: give one of the two"
+        )
     return LaunchSettings(**checked, raw=raw)
 
 
@@ -421,9 +426,9 @@ def _translate_aliases(given: dict[str, Any]) -> dict[str, Any]:
             continue
         value, other = out.pop(old), out.get(new)
         if value is not None and other is not None and value != other:
-            raise ConfigurationError(
-                f"both {old}={value!r} and {new}={other!r} were given; {old} is the former name of "
-                f"{new}: give only {new}="
+            raise ConfigurationError(  # said in both spellings: a keyword's and a command line's
+                f"both {old}={value!r} ({_long_flag(old)}) and {new}={other!r} ({_long_flag(new)}) were "
+                f"given; {old} is the former name of {new}: give only {new}= ({_long_flag(new)})"
             )
         if other is None:
             out[new] = value

@@ -221,3 +221,11 @@ def test_a_call_resumes_an_existing_run_and_ends_it_truthfully(store, monkeypatc
         fn.with_overrides(run_id=run_id, experiment="elsewhere").distributed(4)
     assert store.get_run(run_id).info.status == "FAILED"
     assert max(m.value for m in store.get_metric_history(run_id, "resumed_call")) < 4
+    # A session's start says it as a one-off call does (was: SessionEndedError, and "logs: " empty).
+    import air_magic
+
+    capfd.readouterr()
+    with pytest.raises(ConfigurationError, match="no such MLflow run"):
+        air_magic.session(num_accelerators=1, display="text", mlflow_run_id="0" * 32).start()
+    said = capfd.readouterr()
+    assert "logs: \n" not in said.out + said.err and not said.out.rstrip().endswith("logs:"), said

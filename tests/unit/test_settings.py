@@ -126,7 +126,7 @@ def test_run_id_is_the_former_name_of_mlflow_run_id():
 
 
 def test_run_id_and_mlflow_run_id_that_differ_are_an_error():
-    with pytest.raises(ConfigurationError, match=r"both run_id='a' and mlflow_run_id='b'.*former name"):
+    with pytest.raises(ConfigurationError, match=r"both run_id='a' \(--run-id\) and mlflow_run_id='b'.*former"):
         distributed(run_id="a", mlflow_run_id="b")
     with pytest.raises(ConfigurationError, match="former name of mlflow_run_id"):
         distributed(mlflow_run_id="a")(train).with_overrides(run_id="b", mlflow_run_id="c")
@@ -237,3 +237,15 @@ def test_env_cannot_give_a_rank_another_place(name):
     with pytest.raises(ConfigurationError, match=f"env: {name} is set by air_magic for each rank"):
         make_settings(env={name: "3"})
     assert make_settings(env={"OMP_NUM_THREADS": "4", "NCCL_DEBUG": "INFO"}).env["OMP_NUM_THREADS"] == "4"
+
+
+def test_a_run_id_to_record_into_with_tracking_off_is_an_error():
+    """Issue 49 (second probe): ``--mlflow-run-id X --no-tracking`` dropped the id without a word."""
+    with pytest.raises(ConfigurationError, match=r"--mlflow-run-id\) names the MLflow run.*--no-tracking"):
+        make_settings(mlflow_run_id="0123abcd", tracking=False)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    given = settings_from_args(parser.parse_args(["--mlflow-run-id", "0123abcd", "--no-tracking"]))
+    with pytest.raises(ConfigurationError, match="give one of the two"):
+        make_settings(**given)
+    assert make_settings(mlflow_run_id=None, tracking=False).tracking is False
