@@ -94,11 +94,12 @@ class CellLoop:
             self._close(start, Outcome.INTERRUPTED, None)
             raise
         if session.finished is not None or not session.running():
-            error: BaseException = session.error("while it started")
-            if isinstance(error.__cause__, ConfigurationError):  # refused before a rank started
-                error = error.__cause__  # as a one-off call says it (a bad --mlflow-run-id)
-            self._close(start, Outcome.FAILED, error)
-            raise error
+            ended = session.error("while it started")
+            # Refused before a rank started (a bad --mlflow-run-id): said as a one-off call says it.
+            refused = isinstance(ended.__cause__, ConfigurationError)
+            raised: BaseException = ended.__cause__ if refused and ended.__cause__ else ended
+            self._close(start, Outcome.FAILED, raised)
+            raise raised
         session.state = SessionStatus.READY
         start.bus.emit(session.state_event(0))
         self._close(start, Outcome.SUCCEEDED, None)

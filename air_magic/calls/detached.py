@@ -676,18 +676,42 @@ def _prune() -> None:
 
 
 class RunStateWriter:
-    """The supervisor's consumer that keeps ``state.json`` current (log folder, ranks, outcome)."""
+    """The supervisor's consumer that keeps ``state.json`` current (log folder, ranks, outcome).
+
+    A full disk never stops the call: the changes that could not be written wait and go with the
+    next write that finds room (tried again at most every ``event_log.ROOM_POLL_S``; the supervisor
+    waits for room at the end, :meth:`finish`)."""
 
     def __init__(self, folder: str) -> None:
         self.folder = folder
+        self._waiting: dict[str, Any] = {}
+        self._tried = 0.0
 
     def handle(self, event: Event) -> None:
+        changes: dict[str, Any] = {}
         if isinstance(event, RecordLink):  # the call's MLflow run, made before the first rank
-            update_state(
-                self.folder, mlflow=event.description, mlflow_url=event.url, mlflow_run_id=event.run_id
-            )
+            changes = dict(mlflow=event.description, mlflow_url=event.url, mlflow_run_id=event.run_id)
         elif isinstance(event, RunStarted):  # state.json's key for the call's id stays "run_id"
-            update_state(self.folder, status=Outcome.RUNNING, log_dir=event.log_dir, run_id=event.call_id)
+            changes = dict(status=Outcome.RUNNING, log_dir=event.log_dir, run_id=event.call_id)
         elif isinstance(event, RunFinished):
             outcome = Outcome.CANCELLED if event.outcome == Outcome.INTERRUPTED else event.outcome
-            update_state(self.folder, status=outcome, elapsed=event.elapsed, error=event.error)
+            changes = dict(status=outcome, elapsed=event.elapsed, error=event.error)
+        self._waiting.update(changes)
+        if changes or (self._waiting and time.monotonic() - self._tried >= event_log.ROOM_POLL_S):
+            self._write()
+
+    def _write(self) -> bool:
+        self._tried = time.monotonic()
+        try:
+            update_state(self.folder, **self._waiting)
+        except OSError:  # a full disk: kept for the next try
+            return False
+        self._waiting.clear()
+        return True
+
+    def finish(self, wait_s: float) -> bool:
+        """The call has ended: wait up to ``wait_s`` for room to write what still waits."""
+        deadline = time.monotonic() + wait_s
+        while self._waiting and not self._write() and time.monotonic() < deadline:
+            time.sleep(event_log.ROOM_POLL_S)
+        return not self._waiting

@@ -292,6 +292,11 @@ class SessionCall:
         """Raise why no cell can run now (the session ended, between cells or before)."""
         if self.state == SessionStatus.ENDED and self.finished is None and self.ended_why is None:
             raise self.error("between cells")  # a rank died while no cell ran
+        if self.state == SessionStatus.NEW:
+            raise SessionEndedError(
+                f"session {self.id} is not started: s.start() starts it (or `with air_magic.session(...) "
+                "as s:`, or %distributed session start)"
+            )
         if self.state != SessionStatus.READY:
             raise SessionEndedError(
                 f"session {self.id} is {self.state}"

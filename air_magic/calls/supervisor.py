@@ -70,13 +70,39 @@ from air_magic.launch.request import RunResult  # noqa: E402
 from air_magic.launch.settings import LaunchSettings, make_settings  # noqa: E402
 from air_magic.outcome import result_text  # noqa: E402
 from air_magic.protocol import event_log, serialization, wire  # noqa: E402
-from air_magic.protocol.events import Consumer  # noqa: E402
+from air_magic.protocol.events import Consumer, RunFinished  # noqa: E402
 from air_magic.tracking import run as tracking  # noqa: E402
 
 # The supervisor's exit status says how the call ended: a Ray job's status follows it (FAILED
 # unless it succeeded) and its followers read the outcome from it (calls/ray_jobs.py).
 EXIT_STATUS = result_text.SUPERVISOR_EXIT
 EXIT_BEFORE_THE_CALL = result_text.EXIT_BEFORE_THE_CALL
+# A full disk under the run's folder at the call's end: how long the supervisor waits for room to
+# write the end (the events, state.json, the result) before it gives up (the run is then "lost").
+ROOM_WAIT_S = 600.0
+
+
+class _BestEffort:
+    """The supervisor's stdout or stderr (supervisor.log, in the run's folder): on a full disk a
+    line is lost, never raised into the call (a warning, a consumer's report)."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return int(self._stream.write(text))
+        except OSError:
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError:
+            pass
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
 
 
 def main(argv: list[str]) -> int:
@@ -85,6 +111,7 @@ def main(argv: list[str]) -> int:
     if argv[0] == "--ray-job":
         return _main_job(argv[1])
     folder = argv[0]
+    sys.stdout, sys.stderr = _BestEffort(sys.stdout), _BestEffort(sys.stderr)
     try:
         return _supervise(folder, _take_request(folder), LocalBackend(warm_start=False))
     except BaseException as exc:  # noqa: BLE001 - before the call ran: the attached handles learn why
@@ -169,17 +196,30 @@ def _supervise(
         call_id=os.path.basename(folder),  # one id for the run: its folder here, its log folder, runs()
     )
     # State first, events last: whoever reads an event finds the state (the MLflow run) it implies.
-    consumers: list[Consumer] = [
-        detached.RunStateWriter(folder),
-        event_log.EventLogWriter(folder),
-    ]
+    state, events = detached.RunStateWriter(folder), event_log.EventLogWriter(folder)
+    consumers: list[Consumer] = [state, events]
     try:
         result = prepared.run([], consumers)
     except BaseException as exc:  # noqa: BLE001 - handed to whoever attaches
         result = RunResult("", "", Outcome.FAILED, error=exc)
-        detached.update_state(folder, status=Outcome.FAILED, error=f"{type(exc).__name__}: {exc}")
-    _write_result(folder, result, text=replan)
+        state.handle(RunFinished("", Outcome.FAILED, 0.0, "", f"{type(exc).__name__}: {exc}"))
+    # A full disk under the folder: what waits goes once there is room (the result last).
+    deadline = time.monotonic() + ROOM_WAIT_S
+    events.finish(ROOM_WAIT_S)
+    state.finish(max(0.0, deadline - time.monotonic()))
+    _until_room(lambda: _write_result(folder, result, text=replan), deadline)
     return EXIT_STATUS.get(result.outcome, EXIT_STATUS[Outcome.FAILED])
+
+
+def _until_room(write: Any, deadline: float) -> None:
+    """``write()``, tried again while the disk is full, until ``deadline`` (then its error)."""
+    while True:
+        try:
+            return write()
+        except OSError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(event_log.ROOM_POLL_S)
 
 
 def _kept_as_text(result: RunResult, exc: Exception) -> RunResult:

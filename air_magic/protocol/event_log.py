@@ -29,7 +29,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, TextIO
+from typing import Any
 
 from air_magic.protocol.events import (
     CellAnswered,
@@ -50,6 +50,8 @@ _KINDS: dict[str, type[Any]] = {
 }
 FLUSH_S = 0.2  # rank output reaches the file (and a follower) at most this late
 PART_BYTES = 8 * 2**20  # what a follower replays at most, beyond the ranks' snapshot
+PENDING_MAX = 16 * 2**20  # a full disk: events held in memory at most, beyond which rank output is dropped
+ROOM_POLL_S = 0.5  # at the end, on a full disk: how often the writer tries again
 FIRST_PART = "events.jsonl"
 _PART = re.compile(r"^events(?:\.(\d+))?\.jsonl$")
 _NEXT_PART = "NextPart"
@@ -124,51 +126,116 @@ def _snapshot_key(event: Event) -> Any:
 
 class EventLogWriter:
     """A consumer that appends every event (but ``Tick``) to the parts in ``folder``; flushed at
-    least every FLUSH_S."""
+    least every FLUSH_S.
+
+    A full disk never stops the call: what does not fit waits in memory and goes out, whole lines in
+    order, at the next write that finds room (:meth:`flush`; the supervisor waits for it at the end).
+    Past :data:`PENDING_MAX` waiting, rank output is dropped (each rank's log file has it all) and
+    every other event still kept, so a follower always learns the ranks' states and the end."""
 
     def __init__(self, folder: str, part_bytes: int = PART_BYTES) -> None:
         self._folder = folder
         self._part_bytes = part_bytes
         self._part = 0
         self._written = 0
-        self._file: TextIO = self._open(0)
+        self._fd = self._open(0)
+        self._pending = bytearray()  # for this part, not on disk yet (a full disk)
+        # Moving to the next part (its snapshot written) while the end of this one waits for room:
+        # its fd, and the events that go to it.
+        self._moving: int | None = None
+        self._after = bytearray()
+        self.dropped = 0  # rank output events dropped while the disk stayed full
+        self._closed = False
         self._flushed = time.monotonic()
         self._snapshot: dict[Any, Event] = {}  # RunStarted, RankStarted, RankExited so far: a part starts so
 
-    def _open(self, part: int) -> TextIO:
+    def _open(self, part: int) -> int:
         path = os.path.join(self._folder, part_name(part))
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-        return os.fdopen(fd, "a", encoding="utf-8")
+        return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
 
     def handle(self, event: Event) -> None:
         if not isinstance(event, (Tick, RankMetrics, CellAnswered)):
             key = _snapshot_key(event)
             if key is not None:
                 self._snapshot[key] = event
-            line = to_line(event)
-            self._file.write(line)
-            self._written += len(line.encode("utf-8", "replace"))
-            if self._written >= self._part_bytes and not isinstance(event, RunFinished):
+            data = to_line(event).encode("utf-8", "replace")
+            queue = self._after if self._moving is not None else self._pending
+            waiting = len(self._pending) + len(self._after)
+            if isinstance(event, RankOutput) and waiting + len(data) > PENDING_MAX:
+                self.dropped += 1
+            else:
+                queue += data
+                self._written += len(data)
+            if self._written >= self._part_bytes and not isinstance(event, RunFinished) and self.flush():
                 self._next_part()
         now = time.monotonic()
         if not isinstance(event, RankOutput) or now - self._flushed >= FLUSH_S:
-            self._file.flush()
+            self.flush()
             self._flushed = now
-        if isinstance(event, RunFinished):
-            self._file.close()
+        if isinstance(event, RunFinished) and not self._pending and self._moving is None:
+            self.close()  # else the supervisor waits for room (finish())
+
+    def finish(self, wait_s: float) -> bool:
+        """The call has ended: wait up to ``wait_s`` for room to write what still waits; True if
+        it all went (else what waits is lost: a follower says the run was lost)."""
+        deadline = time.monotonic() + wait_s
+        while not self._closed and not self.flush() and time.monotonic() < deadline:
+            time.sleep(ROOM_POLL_S)
+        done = not self._pending and self._moving is None
+        self.close()
+        return done
+
+    def flush(self) -> bool:
+        """Write what waits; True once all of it is on disk (a full disk keeps the rest for later)."""
+        if self._closed:
+            return not self._pending
+        while True:
+            while self._pending:
+                try:
+                    written = os.write(self._fd, self._pending)
+                except OSError:
+                    return False
+                del self._pending[:written]
+            if self._moving is None:
+                return True
+            os.close(self._fd)  # this part is whole, its NextPart line last: on to the next
+            self._fd, self._moving = self._moving, None
+            self._pending, self._after = self._after, bytearray()
+            self._part += 1
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        os.close(self._fd)
+        if self._moving is not None:
+            os.close(self._moving)
 
     def _next_part(self) -> None:
         """Open the next part with the snapshot first, then end this one: a follower that moves on
-        finds the next part whole from its first line."""
-        self._part += 1
-        following = self._open(self._part)
-        snapshot = "".join(to_line(e) for e in self._snapshot.values())
-        following.write(snapshot)
-        following.flush()
-        self._file.write(json.dumps({"kind": _NEXT_PART, "part": self._part}) + "\n")
-        self._file.close()
-        self._file = following
+        finds the next part whole from its first line. No room for the snapshot: this part goes on."""
+        name = os.path.join(self._folder, part_name(self._part + 1))
+        snapshot = "".join(to_line(e) for e in self._snapshot.values()).encode("utf-8", "replace")
+        try:
+            following = self._open(self._part + 1)
+        except OSError:
+            return
+        try:
+            _write_all(following, snapshot)
+        except OSError:
+            os.close(following)
+            os.unlink(name)  # never a part without its whole snapshot
+            return
+        self._moving = following
+        self._pending += (json.dumps({"kind": _NEXT_PART, "part": self._part + 1}) + "\n").encode()
         self._written = len(snapshot)
+        self.flush()
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 def file_lines(path: str, stop: threading.Event, poll_s: float = 0.1) -> Lines:

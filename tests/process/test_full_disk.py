@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from helpers.tmpfs import small_tmpfs
@@ -390,3 +391,76 @@ def test_the_sweep_keeps_a_dead_callers_metric_folder_only_while_it_holds_rows_o
     removed = private_files.sweep_dead_callers(str(tmp_path))
     assert removed == [made["empty"].name], removed
     assert made["rows"].exists() and made["outcome"].exists()
+
+
+def _prints_through_a_full_state_disk(flags):
+    import os
+    import time
+
+    rank = int(os.environ["RANK"])
+
+    def wait_for(name):
+        while not os.path.exists(os.path.join(flags, name)):
+            time.sleep(0.02)
+
+    print(f"rank {rank} before", flush=True)
+    open(os.path.join(flags, f"started-{rank}"), "w").close()
+    wait_for("full")
+    for line in range(300):
+        print(f"rank {rank} line {line} while the state disk is full", flush=True)
+    open(os.path.join(flags, f"printed-{rank}"), "w").close()
+    wait_for("freed")
+    print(f"rank {rank} after", flush=True)
+    return rank
+
+
+@fault(
+    "the disk under the detached runs' folder (XDG_STATE_HOME) fills up mid-run",
+    "the supervisor and its ranks go on; the run's events and end are written once there is room",
+)
+def test_a_full_state_disk_never_ends_a_detached_run(tmp_path, monkeypatch):
+    """Was: the supervisor died at its first event that did not fit (its log empty, the run "lost")."""
+    import time
+
+    import psutil
+
+    import air_magic
+
+    with small_tmpfs(tmp_path / "state", size="2m") as state:
+        monkeypatch.setenv("XDG_STATE_HOME", str(state))
+        flags = tmp_path / "flags"
+        flags.mkdir()
+        fn = air_magic.distributed(num_accelerators=2, display="none", tracking=False, detach=True)
+        handle = fn(_prints_through_a_full_state_disk).distributed_async(str(flags))
+        deadline = time.monotonic() + 120
+        while len(list(flags.glob("started-*"))) < 2:
+            assert time.monotonic() < deadline, "the ranks did not start"
+            time.sleep(0.05)
+        (run,) = [r for r in air_magic.runs() if r.id == handle.detached_id]
+        filler = state / "filler"
+        with open(filler, "wb") as f:
+            try:
+                while True:
+                    f.write(b"x" * 65536)
+                    f.flush()
+            except OSError:
+                pass
+        (flags / "full").touch()
+        while len(list(flags.glob("printed-*"))) < 2:
+            assert time.monotonic() < deadline, "the ranks did not print"
+            time.sleep(0.05)
+        time.sleep(1.0)  # the supervisor tries to write what they printed, and its state
+        assert psutil.pid_exists(run.pid) and psutil.Process(run.pid).status() != psutil.STATUS_ZOMBIE
+        filler.unlink()
+        (flags / "freed").touch()
+        assert handle.result(timeout=120) == [0, 1]
+        (ended,) = [r for r in air_magic.runs() if r.id == handle.detached_id]
+        assert ended.status == "succeeded", ended
+        again = air_magic.attach(handle.detached_id, display="none")
+        assert again.result(timeout=60) == [0, 1]
+        # What the ranks printed while the disk was full waited, and reached the event log in order.
+        written = "".join(p.read_text() for p in sorted(Path(run.folder).glob("events*.jsonl")))
+        for rank in (0, 1):
+            marks = ("before", "line 0 ", "line 299 ", "after")
+            at = [written.index(f"rank {rank} {what}") for what in marks]
+            assert at == sorted(at), (rank, at)

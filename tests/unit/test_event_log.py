@@ -20,7 +20,8 @@ from air_magic.protocol.events import (
 LINK = RecordLink("abc123", "MLflow run abc123 in experiment train", "http://127.0.0.1:5000/#/runs/abc123")
 
 
-def _write(folder, part_bytes: int) -> list:
+def _write(folder, part_bytes: int, full=None) -> list:
+    """Write the test's events; ``full(i)``: the disk is full while event ``i`` is handled."""
     events = [
         LINK,
         RunStarted("r1", 2, "local", "cpu", True, str(folder), "train"),
@@ -33,9 +34,32 @@ def _write(folder, part_bytes: int) -> list:
         RunFinished("r1", Outcome.SUCCEEDED, 1.0, str(folder)),
     ]
     writer = event_log.EventLogWriter(str(folder), part_bytes=part_bytes)
-    for event in events:
+    for i, event in enumerate(events):
+        filling = bool(full and full(i))
+        _Disk.full = (_Disk.full or "filling") if filling else False
         writer.handle(event)
+    _Disk.full = False
+    assert writer.finish(wait_s=5.0)
     return events
+
+
+class _Disk:
+    """``os`` for the event log, whose ``write`` finds the disk full while ``full`` is set: the
+    first write then puts part of its bytes (as a disk that fills mid-write), the next ones none."""
+
+    full = False
+    real = os
+
+    def __getattr__(self, name):
+        return getattr(os, name)
+
+    def write(self, fd, data):
+        if not _Disk.full:
+            return os.write(fd, data)
+        if _Disk.full == "filling" and len(data) > 1:
+            _Disk.full = "full"
+            return os.write(fd, bytes(data[: len(data) // 2]))
+        raise OSError(28, "No space left on device")
 
 
 def _follow(folder, first_part: int) -> list:
@@ -81,3 +105,17 @@ def test_the_calls_id_keeps_its_key_on_disk(tmp_path):
         assert '"run_id": "r1"' in line and "call_id" not in line
         assert event_log.from_line(line) == event
     assert event_log.from_line(event_log.to_line(LINK)) == LINK  # the MLflow run's run_id stays
+
+
+def test_a_full_disk_keeps_the_events_and_writes_them_whole_and_in_order_once_there_is_room(
+    tmp_path, monkeypatch
+):
+    """Issue 49 (older defect): a full disk under the detached runs' folder killed the supervisor at
+    its first event that did not fit. Now they wait, across a part's end, and go out whole."""
+    monkeypatch.setattr(event_log, "os", _Disk())
+    events = _write(tmp_path, part_bytes=2000, full=lambda i: 10 <= i < 150)
+    monkeypatch.undo()
+    assert _follow(tmp_path, 0) == events  # every event once, in order: no torn or glued line
+    for name in os.listdir(tmp_path):
+        with open(tmp_path / name) as f:
+            assert all(event_log.from_line(line) is not None or "NextPart" in line for line in f)

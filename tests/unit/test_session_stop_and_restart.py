@@ -108,3 +108,9 @@ def test_a_cell_error_that_ends_the_session_stays_the_ranks_end_in_its_record_an
     assert summary["rank_states"] == {"0": "killed", "1": "failed"}, summary
     status = session.status()
     assert "rank 1: pid" in status and "raised in step (cell 1): ValueError: rank 1 gave up" in status, status
+
+
+def test_a_session_not_started_says_how_to_start_it():
+    session = Session(make_settings(num_accelerators=2, display="none", tracking=False))
+    with pytest.raises(SessionEndedError, match=r"is not started: s.start\(\) starts it"):
+        session.run(step, 1)

@@ -126,7 +126,8 @@ def test_run_id_is_the_former_name_of_mlflow_run_id():
 
 
 def test_run_id_and_mlflow_run_id_that_differ_are_an_error():
-    with pytest.raises(ConfigurationError, match=r"both run_id='a' \(--run-id\) and mlflow_run_id='b'.*former"):
+    both = r"both run_id='a' \(--run-id\) and mlflow_run_id='b'.*former"
+    with pytest.raises(ConfigurationError, match=both):
         distributed(run_id="a", mlflow_run_id="b")
     with pytest.raises(ConfigurationError, match="former name of mlflow_run_id"):
         distributed(mlflow_run_id="a")(train).with_overrides(run_id="b", mlflow_run_id="c")
