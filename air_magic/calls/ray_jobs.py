@@ -411,9 +411,9 @@ class JobRun:
         )
 
 
-def _remove_job(client: Any, job: str, wait_s: float = 10.0) -> None:
+def _remove_job(client: Any, job: str, wait_s: float = 30.0) -> None:
     """A helper job gone from the cluster's job list: stopped if it still runs, then deleted (Ray
-    deletes only a job that has ended)."""
+    deletes only a job that has ended; a loaded machine may take tens of seconds to end one)."""
     with contextlib.suppress(Exception):
         client.stop_job(job)
     deadline = time.monotonic() + wait_s
