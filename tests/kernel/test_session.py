@@ -495,40 +495,39 @@ def _cell_on_a_thread(session, source):
     return thread, raised
 
 
-@warm_only
-def test_a_stop_while_a_cell_runs_on_another_thread_interrupts_it_first(ip, session, capsys):
-    """Issue 49 (second probe): the stop waited 10 s, then blamed a thread that is not a daemon."""
+def _stopped_while_in(session, source, capsys):
+    """``session.stop()`` while ``source`` runs on another thread: what it said on stderr and what
+    the cell raised; the cell's thread ended, nothing blamed on a non-daemon thread, no rank left."""
     pids = list(session.call.pids.values())
-    thread, raised = _cell_on_a_thread(session, "import time\ntime.sleep(600)")
-    time.sleep(0.5)  # the ranks are in time.sleep
+    thread, raised = _cell_on_a_thread(session, source)
+    time.sleep(0.5)  # the ranks are in the cell's time.sleep
     capsys.readouterr()
     session.stop()
     thread.join(30)
     err = capsys.readouterr().err
     assert not thread.is_alive() and "not a daemon" not in err, err
+    assert _gone(pids)
+    return err, raised
+
+
+@warm_only
+def test_a_stop_while_a_cell_runs_on_another_thread_interrupts_it_first(ip, session, capsys):
+    """Issue 49 (second probe): the stop waited 10 s, then blamed a thread that is not a daemon."""
+    err, raised = _stopped_while_in(session, "import time\ntime.sleep(600)", capsys)
     assert "cell 1 was running: its ranks get SIGINT" in err, err
     (error,) = raised
     assert isinstance(error, persistent.SessionEndedError) and "was stopped while cell ran" in str(error)
-    assert _gone(pids)
 
 
 @warm_only
 def test_a_stop_while_a_rank_cannot_be_interrupted_says_so_and_stops_it(ip, session, capsys, monkeypatch):
     monkeypatch.setattr(cell_loop, "RECOVER_S", 2.5)
-    pids = list(session.call.pids.values())
     # Rank 0 does not hear SIGINT (as in C code that blocks it); rank 1 does, and leaves the cell.
     source = (
         "import os, signal, time\n"
         "if os.environ['RANK'] == '0':\n    signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
         "time.sleep(600)"
     )
-    thread, raised = _cell_on_a_thread(session, source)
-    time.sleep(0.5)
-    capsys.readouterr()
-    session.stop()
-    thread.join(30)
-    err = capsys.readouterr().err
-    assert not thread.is_alive() and "not a daemon" not in err, err
+    err, raised = _stopped_while_in(session, source, capsys)
     assert "rank(s) 0 did not leave cell 1 within 2.5 s of SIGINT" in err, err
     assert raised and isinstance(raised[0], persistent.SessionEndedError)
-    assert _gone(pids)
