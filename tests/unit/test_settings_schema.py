@@ -42,7 +42,7 @@ EVERY_SETTING = (
         "env": {"A": "1", "B": "x=y"},
         "log_dir": "/tmp/air_magic-schema-logs",
         "max_payload_bytes": 1024,
-        "tracking": False,
+        "tracking": True,  # False would refuse mlflow_run_id (--no-tracking has its own cases)
         "warm_start": False,
         "cluster": "ray=127.0.0.1:6379",
         "share_gpus": True,
@@ -53,7 +53,7 @@ EVERY_SETTING = (
         "system_metrics": False,
     },
     "-n 3 --accelerator-type GPU_2xH200 --timeout 12.5 --stop-grace 5 --display text --env A=1 --env B=x=y "
-    "--log-dir /tmp/air_magic-schema-logs --max-payload-bytes 1024 --no-tracking --no-warm-start "
+    "--log-dir /tmp/air_magic-schema-logs --max-payload-bytes 1024 --tracking --no-warm-start "
     "--cluster ray=127.0.0.1:6379 --share-gpus --no-detach --experiment exp --run-name run-1 "
     "--mlflow-run-id 0123abcd --no-system-metrics",
 )
