@@ -32,6 +32,7 @@ import shutil
 import signal
 import sys
 import traceback
+import warnings
 from dataclasses import replace
 from types import FrameType
 from typing import Any
@@ -472,8 +473,15 @@ def _cancel(args: argparse.Namespace) -> int:
     if handle.done():
         print(f"air-magic: run {handle.detached_id} had already ended ({handle.status})")
         return 0
-    if handle.cancel():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # why it has not ended is said here, in one line
+        ended = handle.cancel()
+    if ended:
         print(f"air-magic: run {handle.detached_id} cancelled; every rank is gone")
+        return 0
+    why = handle.why_not_ended()
+    if why is not None:  # its ranks are stopped; only its record waits (a full disk)
+        print(f"air-magic: run {handle.detached_id} cancelled: {why}")
         return 0
     print(f"air-magic: run {handle.detached_id} is still stopping", file=sys.stderr)
     return 1

@@ -52,6 +52,7 @@ from air_magic.protocol.events import (
     Tick,
 )
 from air_magic.threads import start_in_context
+from air_magic.user_warnings import warn_at_user_line
 
 CANCEL_WAIT_S = 10.0  # cancel(): beyond the call's stop grace, the wait for the ranks' exits and the end
 AT_EXIT_WAIT_S = 30.0  # at exit, for all background runs together (both exit hooks: one deadline);
@@ -93,8 +94,12 @@ class RunHandle:
         stop_grace: float = 0.0,
         read_log: Callable[[int], str] | None = None,  # a rank's log, where it is not on this machine
         began: float | None = None,  # when the run began (time.monotonic()), if before this handle
+        # Why a stopped run has not ended though its ranks have (None: it has not): a detached run's
+        # supervisor waiting for room on a full disk to write the run's end (calls/detached.py).
+        why_not_ended: Callable[[], str | None] | None = None,
     ) -> None:
         self.name = name
+        self._why_not_ended = why_not_ended
         self._read_log = read_log
         self._stop_grace = stop_grace  # the ranks' time to end after a stop: cancel() waits it out
         self._stop_said = False  # cancel_all() said it stops this run
@@ -187,8 +192,22 @@ class RunHandle:
         if not self._finished.is_set():
             self._stop()
         if wait:
-            self._finished.wait(self._stop_grace + CANCEL_WAIT_S)
+            deadline = time.monotonic() + self._stop_grace + CANCEL_WAIT_S
+            while not self._finished.wait(min(0.5, max(0.0, deadline - time.monotonic()))):
+                if time.monotonic() >= deadline or self.why_not_ended() is not None:
+                    break
+            why = self.why_not_ended()
+            if why is not None:
+                warn_at_user_line(f"air_magic: {self.name} is stopped: {why}", RuntimeWarning)
         return self._finished.is_set()
+
+    def why_not_ended(self) -> str | None:
+        """Why this run, stopped, has not ended though every rank is gone (None: it has ended, or
+        a rank still runs): say, a detached run's supervisor waits for room on a full disk to
+        write the run's end. ``cancel()`` returns False then, at once."""
+        if self._finished.is_set() or self._why_not_ended is None:
+            return None
+        return self._why_not_ended()
 
     def logs(self, rank: int = 0, lines: int | None = None) -> str:
         """What rank ``rank`` has printed so far (its log file; the last ``lines`` lines if given)."""

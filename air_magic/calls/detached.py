@@ -24,6 +24,7 @@ away stops following; the run goes on. Nothing travels over a socket.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import shutil
@@ -66,6 +67,10 @@ SUPERVISOR_LOG = paths.SUPERVISOR_LOG
 KEEP_ENDED = 50  # ended runs' folders kept (their events can be large; the logs stay in the log root)
 RESULT_WAIT_S = 60.0  # after the last event: the supervisor writes the result, then ends the MLflow run
 TICK_S = 0.2
+# A full disk under the run's folder at the call's end: how long the supervisor waits for room to
+# write the end (the events, state.json, the result) before it gives up (the run is then "lost").
+ROOM_WAIT_S = 600.0
+_ROOM_BYTES = 1 << 20  # less free than this under a run whose ranks are gone: it waits for room
 REPLAY_WAIT_S = 30.0  # attach() returns once the events so far are replayed, or after this long
 _LIVE = ("starting", Outcome.RUNNING)
 _ROOT_FIX = "Set XDG_STATE_HOME to a folder only you can write"
@@ -122,8 +127,12 @@ def start_detached(prepared: Any, on_result: Any = None, consumers: Sequence[Any
     from air_magic.launch.request import new_call_id
 
     call_id = new_call_id()
-    folder = os.path.join(root(), call_id)
-    os.mkdir(folder, 0o700)
+    folder = os.path.join(paths.state_dir(paths.DETACHED_DIR), call_id)
+    try:
+        folder = os.path.join(root(), call_id)
+        os.mkdir(folder, 0o700)
+    except OSError as exc:
+        raise _not_started(call_id, folder, exc) from exc
     try:
         _prune()
         request = request_for(prepared)
@@ -145,13 +154,27 @@ def start_detached(prepared: Any, on_result: Any = None, consumers: Sequence[Any
             )
         finally:
             os.close(log)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(folder, ignore_errors=True)  # no supervisor: nothing of it may stay (the arguments)
+        if isinstance(exc, OSError):
+            raise _not_started(call_id, folder, exc) from exc
         raise
     # The supervisor's state.json now says which GPUs it holds, for every process: this one's claim goes.
     prepared.abandon()
     _reap_later(proc)
     return follow_run(FolderRun(folder), make_consumers(prepared.settings.display), on_result, consumers)
+
+
+def _not_started(call_id: str, folder: str, exc: OSError) -> LaunchError:
+    """The one-line error of a detached run that could not be handed to a supervisor."""
+    why = exc.strerror or str(exc)
+    room = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    fix = (
+        "free some space on that disk, or set XDG_STATE_HOME to a folder on another"
+        if room
+        else "nothing was started"
+    )
+    return LaunchError(f"detached run {call_id} could not be started in {folder}: {why}; {fix}")
 
 
 def request_for(prepared: Any) -> DetachedRequest:
@@ -353,6 +376,7 @@ class RunPlace(Protocol):
     def result(self) -> RunResult | None: ...  # once written (waits while the supervisor lives)
     def lost(self) -> str: ...  # why there is no result
     def cancel(self) -> None: ...
+    def why_not_ended(self) -> str | None: ...  # its ranks are gone, yet it has not ended: why
     def stacks(self, pids: dict[int, int], log_dir: str | None) -> dict[int, str]: ...
     def rank_log(self, rank: int, log_dir: str | None) -> str: ...  # '' while there is none
 
@@ -393,11 +417,37 @@ class FolderRun:
     def cancel(self) -> None:
         _signal_supervisor(self.folder)
 
+    def why_not_ended(self) -> str | None:
+        return _waiting_for_room(self.folder)
+
     def stacks(self, pids: dict[int, int], log_dir: str | None) -> dict[int, str]:
         return take_stacks(pids, log_dir) if log_dir else {}
 
     def rank_log(self, rank: int, log_dir: str | None) -> str:
         return read_rank_log(log_dir, rank)
+
+
+def _waiting_for_room(folder: str) -> str | None:
+    """Why a run whose ranks are all gone has not ended: its supervisor waits for room on a full
+    disk to write the run's end (calls/supervisor.py, ``ROOM_WAIT_S``). None where a rank (a child
+    of the supervisor) still runs, the supervisor is gone, or the disk has room."""
+    supervisor = _supervisor(folder)
+    if supervisor is None or not _supervisor_alive(folder):
+        return None
+    try:
+        children = psutil.Process(supervisor[0]).children(recursive=True)
+        if any(child.status() != psutil.STATUS_ZOMBIE for child in children):
+            return None
+        free = shutil.disk_usage(folder).free
+    except (psutil.Error, OSError):
+        return None
+    if free >= _ROOM_BYTES:
+        return None
+    return (
+        f"every rank is gone, and its supervisor (pid {supervisor[0]}) waits for room on the full disk "
+        f"under {folder} to write the run's end: free some space there and it ends (it waits "
+        f"{ROOM_WAIT_S / 60:g} min at most, then ends with what it could write)"
+    )
 
 
 def lost_text(folder: str, call_id: str) -> str:
@@ -425,6 +475,7 @@ def follow_run(place: RunPlace, displays: list[Any], on_result: Any, more: Seque
         on_result=on_result,
         stop_grace=float(state.get("stop_grace", 0.0)),
         began=_began(state),
+        why_not_ended=place.why_not_ended,
     )
     handle.detached_id = place.id
     handle.kind = state.get("kind", "function")
@@ -578,7 +629,10 @@ def _signal_supervisor(folder: str) -> None:
     is in place (its ``listening`` mark): before that, SIGTERM's default would kill it unrecorded."""
     import signal
 
-    private_files.create_private_file(os.path.join(folder, paths.DETACHED_CANCEL))
+    try:
+        private_files.create_private_file(os.path.join(folder, paths.DETACHED_CANCEL))
+    except OSError:  # a full disk (no inode left): the signal alone reaches a listening supervisor
+        pass
     supervisor = _supervisor(folder)
     if supervisor is not None and _supervisor_alive(folder):
         try:

@@ -330,6 +330,10 @@ class JobRun:
         if self.alive():
             self.client.stop_job(self.id)
 
+    def why_not_ended(self) -> str | None:
+        """None: a stopped job ends when its ranks do (Ray holds its record, not a disk of ours)."""
+        return None
+
     def stacks(self, pids: dict[int, int], log_dir: str | None) -> dict[int, str]:
         """The ranks' stacks, taken on their nodes by a small helper job (``job_stacks``): a running
         job has no other way in. Seconds (the helper joins the cluster as a driver); the helper is

@@ -77,9 +77,6 @@ from air_magic.tracking import run as tracking  # noqa: E402
 # unless it succeeded) and its followers read the outcome from it (calls/ray_jobs.py).
 EXIT_STATUS = result_text.SUPERVISOR_EXIT
 EXIT_BEFORE_THE_CALL = result_text.EXIT_BEFORE_THE_CALL
-# A full disk under the run's folder at the call's end: how long the supervisor waits for room to
-# write the end (the events, state.json, the result) before it gives up (the run is then "lost").
-ROOM_WAIT_S = 600.0
 
 
 class _BestEffort:
@@ -204,8 +201,8 @@ def _supervise(
         result = RunResult("", "", Outcome.FAILED, error=exc)
         state.handle(RunFinished("", Outcome.FAILED, 0.0, "", f"{type(exc).__name__}: {exc}"))
     # A full disk under the folder: what waits goes once there is room (the result last).
-    deadline = time.monotonic() + ROOM_WAIT_S
-    events.finish(ROOM_WAIT_S)
+    deadline = time.monotonic() + detached.ROOM_WAIT_S
+    events.finish(detached.ROOM_WAIT_S)
     state.finish(max(0.0, deadline - time.monotonic()))
     _until_room(lambda: _write_result(folder, result, text=replan), deadline)
     return EXIT_STATUS.get(result.outcome, EXIT_STATUS[Outcome.FAILED])

@@ -464,3 +464,106 @@ def test_a_full_state_disk_never_ends_a_detached_run(tmp_path, monkeypatch):
             marks = ("before", "line 0 ", "line 299 ", "after")
             at = [written.index(f"rank {rank} {what}") for what in marks]
             assert at == sorted(at), (rank, at)
+
+
+def _works_until_cancelled(flags):
+    import os
+    import time
+
+    rank = int(os.environ["RANK"])
+    open(os.path.join(flags, f"started-{rank}"), "w").close()
+    while True:
+        print(f"rank {rank} works", flush=True)
+        time.sleep(0.2)
+
+
+def _fill(folder: Path) -> Path:
+    """A file that takes every free block of ``folder``'s disk."""
+    filler = folder / "filler"
+    with open(filler, "wb") as f:
+        try:
+            while True:
+                f.write(b"x" * 65536)
+                f.flush()
+        except OSError:
+            pass
+    return filler
+
+
+@fault(
+    "`air-magic cancel` of a detached run while the disk under the runs' folder (XDG_STATE_HOME) is full",
+    "the ranks stop and the command says so within seconds, naming the full disk; the run ends "
+    "'cancelled' once there is room",
+)
+def test_cancel_on_a_full_state_disk_stops_the_ranks_and_says_the_end_waits_for_room(tmp_path, monkeypatch):
+    """Was: the command waited the grace and 10 s more in silence, then said "still stopping"
+    (exit 1) of a run whose ranks were gone: its supervisor waited for room to write the end."""
+    import time
+
+    import psutil
+    from helpers.cli import invoke
+
+    import air_magic
+
+    with small_tmpfs(tmp_path / "state", size="2m") as state:
+        monkeypatch.setenv("XDG_STATE_HOME", str(state))
+        flags = tmp_path / "flags"
+        flags.mkdir()
+        fn = air_magic.distributed(
+            num_accelerators=2, display="none", tracking=False, detach=True, stop_grace=30
+        )
+        handle = fn(_works_until_cancelled).distributed_async(str(flags))
+        deadline = time.monotonic() + 120
+        while len(list(flags.glob("started-*"))) < 2 or len(handle.rank_pids) < 2:
+            assert time.monotonic() < deadline, "the ranks did not start"
+            time.sleep(0.05)
+        pids = list(handle.rank_pids.values())
+        filler = _fill(state)
+        began = time.monotonic()
+        cancelled = invoke("cancel", handle.detached_id, timeout=120)
+        took = time.monotonic() - began
+        assert cancelled.returncode == 0, (cancelled.stdout, cancelled.stderr)
+        said = cancelled.stdout
+        assert f"run {handle.detached_id} cancelled: every rank is gone" in said, said
+        assert "waits for room on the full disk" in said and str(state) in said, said
+        assert took < 30, f"{took:.1f} s: it waited out the grace (30 s), not the ranks' end"
+        assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in pids)
+        assert not handle.done() and handle.why_not_ended() is not None
+        filler.unlink()
+        with pytest.raises(air_magic.LaunchError, match="stopped before it finished"):
+            handle.result(timeout=120)
+        assert handle.status == "cancelled" and handle.why_not_ended() is None
+        (ended,) = [r for r in air_magic.runs() if r.id == handle.detached_id]
+        assert ended.status == "cancelled", ended
+
+
+@fault(
+    "a detached run started while the disk under the runs' folder (XDG_STATE_HOME) is full",
+    "a one-line LaunchError naming the folder and the fix (Python and `air-magic run --detach`); "
+    "nothing starts, no folder stays",
+)
+def test_a_detached_run_on_a_full_state_disk_is_refused_in_one_line(tmp_path, monkeypatch):
+    """Was: the OSError of writing the call's request, raised raw from wire.write_atomically."""
+    from helpers.cli import invoke
+
+    import air_magic
+
+    with small_tmpfs(tmp_path / "state", size="1m") as state:
+        monkeypatch.setenv("XDG_STATE_HOME", str(state))
+        (state / "air_magic" / "detached").mkdir(parents=True, mode=0o700)
+        filler = _fill(state)
+        fn = air_magic.distributed(num_accelerators=2, display="none", tracking=False, detach=True)
+        with pytest.raises(air_magic.LaunchError) as caught:
+            fn(_works_until_cancelled).distributed_async(str(tmp_path))
+        said = str(caught.value)
+        assert "could not be started in" in said and str(state) in said, said
+        assert "No space left on device" in said and "XDG_STATE_HOME" in said, said
+        assert len(said.splitlines()) == 1, said
+        assert os.listdir(state / "air_magic" / "detached") == []  # no half-made run stays
+        script = tmp_path / "job.py"
+        script.write_text("print('ran')\n")
+        done = invoke("run", "--detach", "--no-tracking", "-n", "1", str(script), timeout=120)
+        assert done.returncode == 1, (done.stdout, done.stderr)
+        assert "Traceback" not in done.stderr and "could not be started in" in done.stderr, done.stderr
+        assert os.listdir(state / "air_magic" / "detached") == []
+        filler.unlink()
