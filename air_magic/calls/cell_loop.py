@@ -53,6 +53,7 @@ class FailedCell:
     why: str
     rank: int | None  # its root cause's rank
     name: str = "cell"
+    raised: bool = False  # that rank raised its own exception (not: it died, or the session ended)
 
     @property
     def words(self) -> str:
@@ -306,7 +307,8 @@ class CellLoop:
             self._on_end()
         if cell.number and outcome is not Outcome.SUCCEEDED:
             why = f"{type(error).__name__}: {error}" if error else str(outcome)
-            self.failed.append(FailedCell(cell.number, why, root_cause_rank(error), cell.name))
+            raised = cell.raised_on_its_own()
+            self.failed.append(FailedCell(cell.number, why, root_cause_rank(error), cell.name, raised))
         if not ended:  # a rank that dies between cells is quoted from what it printed after this one
             session.reset_tails()
 

@@ -213,7 +213,8 @@ class Session:
         lines = [f"session {self.id}: {self.state}, {self.world_size} rank(s), {self.cells} cell(s) run"]
         if call.ended_why and call.state == SessionStatus.ENDED:
             lines.append(f"  ended: {call.ended_why}")
-        raised = {f.rank: f for f in self.loop.failed if f.number == call.ended_in_cell}
+        # A rank whose own exception ended the session (a rank that died is "ended" below).
+        raised = {f.rank: f for f in self.loop.failed if f.number == call.ended_in_cell and f.raised}
         for rank in range(self.world_size):
             pid = call.pids.get(rank)
             if rank in raised:  # its error ended the session: the stop that followed is not its end

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import threading
 from pathlib import Path
 
@@ -114,3 +115,16 @@ def test_a_session_not_started_says_how_to_start_it():
     session = Session(make_settings(num_accelerators=2, display="none", tracking=False))
     with pytest.raises(SessionEndedError, match=r"is not started: s.start\(\) starts it"):
         session.run(step, 1)
+
+
+def test_a_rank_killed_in_a_cell_is_said_ended_by_its_signal_not_raised_in_the_cell(session_of):
+    """Was: status said "raised in step (cell 1): SessionEndedError" of a rank SIGKILLed mid-cell
+    (the "raised in" words are for a rank's own exception only)."""
+    cells = {1: [Rank(hangs=True), Rank(killed_by=signal.SIGKILL)]}
+    session = session_of(ScriptedBackend([Rank(), Rank()], cells=cells), tracking=False)
+    with pytest.raises(SessionEndedError):
+        session.run(step, 1)
+    assert session.state == "ended"
+    status = session.status()
+    assert "raised in" not in status, status
+    assert "rank 1: pid" in status and "SIGKILL" in status.split("rank 1: pid", 1)[1].splitlines()[0], status
