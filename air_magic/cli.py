@@ -433,9 +433,7 @@ def _attach(args: argparse.Namespace) -> int:
     json_out = JsonLines() if args.json else None
     displays = _displays(args, json_out)
     found = anywhere.find(args.run, args.cluster)
-    if isinstance(found, detached.DetachedRun) and found.status == "lost":  # nothing to follow: one line
-        print(f"air-magic attach: {detached.lost_text(found.folder, found.id)}", file=sys.stderr)
-        return 1
+    # A lost run too: what it wrote is replayed (its ranks' output), then why it has no result.
     handle = anywhere.attach(found, display="none", cluster=args.cluster, consumers=displays)
     previous = _stop_on_signals([])
     try:

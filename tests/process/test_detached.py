@@ -141,13 +141,21 @@ def test_a_killed_supervisor_takes_its_ranks_and_is_reported(store, tmp_path):
     run_id = _start_and_kill_the_caller(tmp_path / "gate")
     handle = air_magic.attach(run_id, display="none")
     _wait_for(lambda: len(handle.rank_pids) == 2, "the replay of both ranks' start")
+    _wait_for(lambda: all("before the gate" in handle.logs(r) for r in (0, 1)), "both ranks at the gate")
     pids = list(handle.rank_pids.values())
     (run,) = [r for r in air_magic.runs() if r.id == run_id]
+    written = lambda: "".join(p.read_text() for p in Path(run.folder).glob("events*.jsonl"))  # noqa: E731
+    _wait_for(lambda: written().count("before the gate") == 2, "their lines in the event log")
     os.kill(run.pid, signal.SIGKILL)
     assert gone_within(pids)
     with pytest.raises(LaunchError, match="ended without a result"):
         handle.result(timeout=60)
     assert _status(run_id) == "lost"
+    # The command line replays what the lost run's ranks printed, then says why (was: the one line).
+    shown = invoke("attach", run_id)
+    assert shown.returncode == 1, (shown.stdout, shown.stderr)
+    assert "before the gate" in shown.stdout and "ended without a result" in shown.stderr, shown
+    assert "Traceback" not in shown.stderr, shown.stderr
     air_magic.distributed(num_accelerators=2, display="none")(lambda: 1).distributed()  # reaps orphans
     assert _mlflow(handle) == "KILLED"
 
