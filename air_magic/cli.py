@@ -38,7 +38,7 @@ from types import FrameType
 from typing import Any
 
 from air_magic import torchrun_flags, verbs
-from air_magic.calls import anywhere, detached, history, ray_jobs, runners
+from air_magic.calls import anywhere, history, ray_jobs, runners
 from air_magic.calls.call import prepare_call, run_call, start_async
 from air_magic.display.json_lines import JsonLines
 from air_magic.display.text import TextDisplay
