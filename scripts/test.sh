@@ -25,7 +25,9 @@ if [ ! -x /usr/bin/chromium ]; then
         echo "test: /usr/bin/chromium is missing (apt-get install chromium); the browser test will be skipped"
     fi
 fi
-echo "== ruff";   "$venv/bin/ruff" check . && "$venv/bin/ruff" format --check .
+# Each check on its own line: under `set -e` a failure on the left of `&&` would not stop the script.
+echo "== ruff";   "$venv/bin/ruff" check .
+"$venv/bin/ruff" format --check .
 echo "== mypy";   "$venv/bin/mypy"
 if [ "$fast" = 1 ]; then
     echo "== pytest (fast: the unit tier)"; "$venv/bin/python" -m pytest -m unit tests/unit tests/contract ${args[@]+"${args[@]}"}
