@@ -437,14 +437,7 @@ def test_a_full_state_disk_never_ends_a_detached_run(tmp_path, monkeypatch):
             assert time.monotonic() < deadline, "the ranks did not start"
             time.sleep(0.05)
         (run,) = [r for r in air_magic.runs() if r.id == handle.detached_id]
-        filler = state / "filler"
-        with open(filler, "wb") as f:
-            try:
-                while True:
-                    f.write(b"x" * 65536)
-                    f.flush()
-            except OSError:
-                pass
+        filler = _fill(state)
         (flags / "full").touch()
         while len(list(flags.glob("printed-*"))) < 2:
             assert time.monotonic() < deadline, "the ranks did not print"
