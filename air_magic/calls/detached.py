@@ -127,13 +127,10 @@ def start_detached(prepared: Any, on_result: Any = None, consumers: Sequence[Any
     from air_magic.launch.request import new_call_id
 
     call_id = new_call_id()
-    folder = os.path.join(paths.state_dir(paths.DETACHED_DIR), call_id)
+    folder = os.path.join(paths.state_dir(paths.DETACHED_DIR), call_id)  # named in an error
     try:
         folder = os.path.join(root(), call_id)
         os.mkdir(folder, 0o700)
-    except OSError as exc:
-        raise _not_started(call_id, folder, exc) from exc
-    try:
         _prune()
         request = request_for(prepared)
         wire.write_atomically(os.path.join(folder, REQUEST), serialization.dumps(request))
